@@ -1,0 +1,49 @@
+"""What is inside an artifact, as a dict (for --json) and as rich tables."""
+import json
+from pathlib import Path
+
+from rich.console import Console
+from rich.table import Table
+
+from llmc.artifact.writer import MANIFEST
+from llmc.errors import LlmcError
+
+
+def describe_artifact(folder: Path) -> dict:
+    manifest_path = folder / MANIFEST
+    if not manifest_path.is_file():
+        raise LlmcError(f"{folder} is not an llmc artifact (no {MANIFEST})")
+    manifest = json.loads(manifest_path.read_text())
+    config = json.loads((folder / "config.json").read_text())
+    quantization = config.get("quantization_config", {})
+    size = sum(path.stat().st_size for path in folder.rglob("*.safetensors"))
+    return {
+        "path": str(folder),
+        "architecture": (config.get("architectures") or ["?"])[0],
+        "num_layers": config.get("num_hidden_layers"),
+        "format": quantization.get("format"),
+        "config_groups": {name: group["weights"] for name, group in quantization.get("config_groups", {}).items()},
+        "ignore": quantization.get("ignore", []),
+        "weights_bytes": size,
+        "manifest": manifest,
+    }
+
+
+def print_artifact(info: dict, console: Console) -> None:
+    manifest = info["manifest"]
+    console.print(f"[bold]{info['path']}[/]  {info['architecture']}, {info['num_layers']} layers, "
+                  f"{info['weights_bytes'] / 2**20:.1f} MiB of weights, format {info['format']}")
+    console.print(f"model {manifest['model']}, llmc {manifest['llmc_version']}, created {manifest['created']}")
+    groups = Table("group", "bits", "type", "symmetric", "strategy", "group size", title="quantization")
+    for name, weights in info["config_groups"].items():
+        groups.add_row(name, str(weights["num_bits"]), weights["type"], str(weights["symmetric"]),
+                       weights["strategy"], str(weights.get("group_size") or "-"))
+    console.print(groups)
+    console.print(f"left in full precision: {', '.join(info['ignore']) or 'nothing'}")
+    calibration = manifest.get("calibration")
+    console.print("calibration: " + (f"{calibration['num_samples']} x {calibration['seq_len']} tokens of "
+                                      f"{calibration['dataset']} (sha256 {calibration['sha256'][:12]})" if calibration else "none"))
+    for name, result in manifest.get("eval", {}).get("perplexity", {}).items():
+        console.print(f"perplexity ({name}): {result['perplexity']:.3f} on {result['dataset']}, {result['windows']} x {result['seq_len']}")
+    console.print("timings: " + ", ".join(f"{key} {value:.1f}" for key, value in manifest["timings"].items()))
+    console.print(f"files: {len(manifest['files'])} with SHA-256 in llmc.json")

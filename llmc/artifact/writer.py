@@ -1,0 +1,87 @@
+"""Writing an artifact: shards streamed layer by layer into a staging folder that is renamed into place only
+when complete, so an error or Ctrl-C never leaves a partial artifact."""
+import hashlib
+import json
+import os
+import shutil
+from contextlib import contextmanager
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+from torch import nn
+
+from llmc.artifact.compressed_tensors import pack_quantized_tensors
+from llmc.errors import LlmcError
+from llmc.quant.qtypes import QuantizedWeight
+
+MANIFEST = "llmc.json"
+INDEX = "model.safetensors.index.json"
+
+
+@contextmanager
+def staged_folder(output: Path, overwrite: bool = False):
+    if output.exists() and not overwrite:
+        raise LlmcError(f"output {output} already exists; remove it, choose --output, or pass --overwrite")
+    staging = output.with_name(f".{output.name}.partial-{os.getpid()}")
+    shutil.rmtree(staging, ignore_errors=True)
+    staging.mkdir(parents=True)
+    try:
+        yield staging
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    if output.exists():
+        shutil.rmtree(output)
+    staging.rename(output)
+
+
+class ShardWriter:
+    """One safetensors shard per decoder layer plus one for the rest, with the HF index over them."""
+
+    def __init__(self, folder: Path, num_shards: int, dtype: torch.dtype):
+        self.folder = folder
+        self.num_shards = num_shards
+        self.dtype = dtype
+        self.weight_map: dict[str, str] = {}
+        self.total_size = 0
+
+    def write_layer(self, prefix: str, layer: nn.Module, quantized: dict[str, QuantizedWeight]) -> None:
+        tensors = {}
+        for name, weight in quantized.items():
+            tensors |= pack_quantized_tensors(name, weight)
+        quantized_params = {f"{name}.weight" for name in quantized}
+        for name, param in layer.state_dict().items():
+            full_name = f"{prefix}.{name}"
+            if full_name not in quantized_params:
+                tensors[full_name] = param.to(self.dtype)
+        self.write(tensors)
+
+    def write(self, tensors: dict[str, torch.Tensor]) -> None:
+        filename = f"model-{len(set(self.weight_map.values())) + 1:05d}-of-{self.num_shards:05d}.safetensors"
+        tensors = {name: tensor.contiguous() for name, tensor in tensors.items()}
+        save_file(tensors, str(self.folder / filename), metadata={"format": "pt"})
+        for name, tensor in tensors.items():
+            self.weight_map[name] = filename
+            self.total_size += tensor.numel() * tensor.element_size()
+
+    def write_index(self) -> None:
+        index = {"metadata": {"total_size": self.total_size}, "weight_map": dict(sorted(self.weight_map.items()))}
+        (self.folder / INDEX).write_text(json.dumps(index, indent=2) + "\n")
+
+
+def sha256_of_files(folder: Path) -> dict[str, str]:
+    digests = {}
+    for path in sorted(folder.rglob("*")):
+        if path.is_file() and path.name != MANIFEST:
+            digest = hashlib.sha256()
+            with open(path, "rb") as file:
+                for chunk in iter(lambda: file.read(1 << 20), b""):
+                    digest.update(chunk)
+            digests[str(path.relative_to(folder))] = digest.hexdigest()
+    return digests
+
+
+def write_manifest(folder: Path, manifest: dict) -> None:
+    manifest = {**manifest, "files": sha256_of_files(folder)}
+    (folder / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")

@@ -1,0 +1,39 @@
+"""Load any target (model spec or llmc artifact) as a dense transformers model for evaluation."""
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+from llmc.artifact.reader import dense_state_dict, is_artifact
+from llmc.errors import LlmcError
+from llmc.models.spec import resolve_model
+
+
+@dataclass
+class LoadedModel:
+    name: str
+    model: torch.nn.Module
+    tokenizer: object
+    is_artifact: bool
+
+
+def load_model(target: str, dtype: torch.dtype = torch.float32) -> LoadedModel:
+    path = Path(target).expanduser()
+    if path.is_dir() and is_artifact(path):
+        return LoadedModel(target, _load_artifact(path, dtype), AutoTokenizer.from_pretrained(path), True)
+    folder = resolve_model(target)
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype).eval()
+    return LoadedModel(target, model, AutoTokenizer.from_pretrained(folder), False)
+
+
+def _load_artifact(folder: Path, dtype: torch.dtype) -> torch.nn.Module:
+    config = AutoConfig.from_pretrained(folder)
+    del config.quantization_config
+    model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    missing, unexpected = model.load_state_dict(dense_state_dict(folder, dtype), strict=False)
+    tied = {"lm_head.weight"} if config.tie_word_embeddings else set()
+    if set(missing) - tied or unexpected:
+        raise LlmcError(f"artifact {folder} does not match its config: missing {missing[:3]}, unexpected {unexpected[:3]}")
+    model.tie_weights()
+    return model.eval()

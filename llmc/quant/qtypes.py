@@ -1,0 +1,113 @@
+"""One description of a quantization format and the arithmetic every algorithm, the packer and the runtime share.
+
+The conventions are compressed-tensors': signed integer codes in [-2^(b-1), 2^(b-1) - 1], symmetric scale
+absmax / ((qmax - qmin) / 2), asymmetric zero points in the signed code range, W = (q - zero_point) * scale.
+"""
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+from pydantic import BaseModel, ConfigDict, model_validator
+
+Strategy = Literal["tensor", "channel", "group"]
+
+
+class QuantArgs(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    num_bits: Literal[4, 8] = 4
+    type: Literal["int"] = "int"
+    symmetric: bool = True
+    strategy: Strategy = "group"
+    group_size: int | None = 128
+
+    @model_validator(mode="after")
+    def _group_size_matches_strategy(self) -> "QuantArgs":
+        if self.strategy == "group" and (self.group_size is None or self.group_size <= 0):
+            raise ValueError("strategy 'group' needs a positive group_size")
+        if self.strategy != "group" and self.group_size is not None:
+            object.__setattr__(self, "group_size", None)
+        return self
+
+    @property
+    def qmin(self) -> int:
+        return -(1 << (self.num_bits - 1))
+
+    @property
+    def qmax(self) -> int:
+        return (1 << (self.num_bits - 1)) - 1
+
+    def describe(self) -> str:
+        kind = "sym" if self.symmetric else "asym"
+        granularity = f"g{self.group_size}" if self.strategy == "group" else self.strategy
+        return f"int{self.num_bits} {kind} {granularity}"
+
+
+@dataclass
+class QuantizedWeight:
+    codes: torch.Tensor  # int8, same shape as the weight
+    scale: torch.Tensor  # [out, 1] channel, [out, in / group_size] group, [1] tensor
+    zero_point: torch.Tensor  # int8, shaped like scale; all zero when symmetric
+    args: QuantArgs
+
+    def dequantize(self) -> torch.Tensor:
+        return dequantize(self.codes, self.scale, self.zero_point, self.args)
+
+
+def _grouped(x: torch.Tensor, args: QuantArgs) -> torch.Tensor:
+    """View a [out, in] weight so that reductions over the last dim follow the strategy."""
+    if args.strategy == "tensor":
+        return x.reshape(1, 1, -1)
+    if args.strategy == "channel":
+        return x.reshape(x.shape[0], 1, x.shape[1])
+    if x.shape[1] % args.group_size:
+        raise ValueError(f"group_size {args.group_size} does not divide {x.shape[1]} input columns")
+    return x.reshape(x.shape[0], x.shape[1] // args.group_size, args.group_size)
+
+
+def observe_minmax(weight: torch.Tensor, args: QuantArgs) -> tuple[torch.Tensor, torch.Tensor]:
+    grouped = _grouped(weight, args)
+    return grouped.amin(dim=-1), grouped.amax(dim=-1)
+
+
+def compute_qparams(
+    min_vals: torch.Tensor, max_vals: torch.Tensor, args: QuantArgs, scale_dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
+    min_vals = min_vals.float().clamp(max=0)
+    max_vals = max_vals.float().clamp(min=0)
+    if args.symmetric:
+        scale = torch.maximum(-min_vals, max_vals) / ((args.qmax - args.qmin) / 2)
+    else:
+        scale = (max_vals - min_vals) / (args.qmax - args.qmin)
+    # the stored scale is what the consumer multiplies by, so quantize with exactly that value
+    scale = scale.to(scale_dtype)
+    scale = torch.where(scale == 0, torch.finfo(scale_dtype).eps, scale)
+    if args.symmetric:
+        zero_point = torch.zeros_like(scale, dtype=torch.int8)
+    else:
+        zero_point = torch.round(args.qmin - min_vals / scale.float()).clamp(args.qmin, args.qmax).to(torch.int8)
+    if args.strategy == "tensor":
+        return scale.reshape(1), zero_point.reshape(1)
+    return scale, zero_point
+
+
+def quantize(x: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor, args: QuantArgs) -> torch.Tensor:
+    grouped = _grouped(x.float(), args)
+    codes = torch.round(grouped / scale.float().reshape(*grouped.shape[:2], 1) + zero_point.reshape(*grouped.shape[:2], 1))
+    return codes.clamp(args.qmin, args.qmax).to(torch.int8).reshape(x.shape)
+
+
+def dequantize(codes: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor, args: QuantArgs) -> torch.Tensor:
+    grouped = _grouped(codes, args).to(scale.dtype)
+    shifted = grouped - zero_point.reshape(*grouped.shape[:2], 1).to(scale.dtype)
+    return (shifted * scale.reshape(*grouped.shape[:2], 1)).reshape(codes.shape)
+
+
+def quantize_weight(weight: torch.Tensor, args: QuantArgs, scale_dtype: torch.dtype | None = None) -> QuantizedWeight:
+    """Round-to-nearest with min/max ranges: the base every algorithm starts from."""
+    scale, zero_point = compute_qparams(*observe_minmax(weight, args), args, scale_dtype or weight.dtype)
+    return QuantizedWeight(quantize(weight, scale, zero_point, args), scale, zero_point, args)
+
+
+def fake_quantize(weight: torch.Tensor, args: QuantArgs) -> torch.Tensor:
+    return quantize_weight(weight, args).dequantize().to(weight.dtype)

