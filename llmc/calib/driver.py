@@ -2,6 +2,8 @@
 are read from the checkpoint's safetensors when its turn comes and released after, so peak memory is one layer
 plus the calibration activations whatever the depth. With calibration data each layer's inputs are the previous
 layer's outputs computed with quantized weights, and each layer's output error is measured."""
+import ctypes
+import ctypes.util
 import time
 from dataclasses import dataclass
 from typing import Callable
@@ -18,6 +20,14 @@ from llmc.quant.stages import assign_linears
 
 COMPUTE_DTYPE = torch.float32
 EmitLayer = Callable[[str, nn.Module, dict[str, QuantizedWeight]], None]
+
+
+def return_freed_memory() -> None:
+    """Hand freed heap pages back to the OS; without it glibc keeps each released layer's pages and peak
+    memory grows with depth."""
+    libc_name = ctypes.util.find_library("c")
+    if libc_name and hasattr(ctypes.CDLL(libc_name), "malloc_trim"):
+        ctypes.CDLL(libc_name).malloc_trim(0)
 
 
 @dataclass
@@ -110,5 +120,6 @@ def quantize_layerwise(
             error = float(((hidden - reference) ** 2).sum() / (reference**2).sum().clamp_min(1e-30))
         emit(prefix, layer, quantized)
         layer.to("meta")
+        return_freed_memory()
         reports.append(LayerReport(index, time.perf_counter() - started, len(quantized), error))
     return reports
