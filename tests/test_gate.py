@@ -4,7 +4,7 @@ import json
 from conftest import write_recipe
 from test_cli import llmc
 
-STAGE = "  - type: rtn\n    weights: {num_bits: 3, group_size: 32}\n"
+STAGE = "  - type: rtn\n    scheme: W4A16\n    weights: {group_size: 32}\n"
 
 
 def business_set(path):

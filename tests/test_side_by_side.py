@@ -22,7 +22,7 @@ PROMPTS = ["The quick brown fox", "A stitch in time", "Quantization maps real nu
 def quantized_two_ways(tmp_path_factory, tiny_llama) -> dict[str, Path]:
     folder = tmp_path_factory.mktemp("two-ways")
     artifacts = {}
-    for name, stage in {"w8": "  - type: rtn\n    scheme: W8A16\n", "w3": "  - type: rtn\n    weights: {num_bits: 3, group_size: 32}\n"}.items():
+    for name, stage in {"w8": "  - type: rtn\n    scheme: W8A16\n", "w4": "  - type: rtn\n    scheme: W4A16\n    weights: {group_size: 32}\n"}.items():
         recipe = write_recipe(folder / f"{name}.yaml", tiny_llama, folder / name, stage)
         artifacts[name] = run_quantize(load_recipe(recipe))
     return artifacts
@@ -46,17 +46,17 @@ def test_recovery_agreement_and_kl_order_the_two_quantizations(tmp_path, tiny_ll
     config = eval_config({"business": {"dataset": str(base_answer_set)},
                           "perplexity": {"dataset": str(eval_file), "seq_len": 32, "max_windows": 2}}, "test")
     targets = [EvalTarget("base", str(tiny_llama)), EvalTarget("same", str(tiny_llama)),
-               EvalTarget("w8", str(quantized_two_ways["w8"])), EvalTarget("w3", str(quantized_two_ways["w3"]))]
+               EvalTarget("w8", str(quantized_two_ways["w8"])), EvalTarget("w4", str(quantized_two_ways["w4"]))]
     report = evaluate_side_by_side(targets, config)
     results = report["targets"]
     assert results["base"]["business"]["score"] == 1.0 and "vs_baseline" not in results["base"]
     same = results["same"]["vs_baseline"]
     assert same["recovery"] == 1.0 and same["agreement"] == 1.0 and same["perplexity_increase"] == 0.0
     assert same["kl"] == pytest.approx(0.0, abs=1e-9)
-    w8, w3 = results["w8"]["vs_baseline"], results["w3"]["vs_baseline"]
-    assert 0 < w8["kl"] < w3["kl"]
-    assert w8["perplexity_increase"] < w3["perplexity_increase"]
-    for label in ("w8", "w3"):
+    w8, w4 = results["w8"]["vs_baseline"], results["w4"]["vs_baseline"]
+    assert 0 < w8["kl"] < w4["kl"]
+    assert w8["perplexity_increase"] < w4["perplexity_increase"]
+    for label in ("w8", "w4"):
         comparison = results[label]["vs_baseline"]
         assert comparison["recovery"] == results[label]["business"]["score"]  # the base scores 1
         assert comparison["agreement"] <= comparison["recovery"] + 1e-9
@@ -66,8 +66,8 @@ def test_recovery_agreement_and_kl_order_the_two_quantizations(tmp_path, tiny_ll
     files = {path.name for path in (tmp_path / "report").iterdir()}
     assert {"report.json", "report.md", "perplexity.png", "business_by_tag.png", "recovery.png", "kl.png"} <= files
     markdown = (tmp_path / "report" / "report.md").read_text()
-    assert "| w3 |" in markdown and "![kl.png](kl.png)" in markdown
-    assert json.loads((tmp_path / "report" / "report.json").read_text())["targets"]["w3"]["business"]["items"]
+    assert "| w4 |" in markdown and "![kl.png](kl.png)" in markdown
+    assert json.loads((tmp_path / "report" / "report.json").read_text())["targets"]["w4"]["business"]["items"]
 
 
 def test_compare_business_counts_identical_answers():

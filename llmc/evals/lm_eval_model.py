@@ -33,7 +33,9 @@ def resolve_tasks(names: list[str]) -> tuple[list[str], TaskManager]:
             tasks.append(_task_name(path))
         else:
             tasks.append(name)
-    manager = TaskManager(include_path=include, verbosity="ERROR")
+    manager = TaskManager(include_path=include, include_defaults=False)
+    if not set(tasks) <= set(manager.all_tasks):  # indexing lm-eval's own catalogue takes tens of seconds
+        manager = TaskManager(include_path=include)
     unknown = [task for task in tasks if task not in manager.all_tasks]
     if unknown:
         raise LlmcError(f"unknown lm-eval task {unknown[0]!r}: not an lm-eval task, not in {LOCAL_TASKS}, not a task YAML file")
