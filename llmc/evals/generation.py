@@ -5,6 +5,7 @@ from typing import Protocol
 
 import torch
 
+from llmc.errors import LlmcError
 from llmc.models.loading import LoadedModel
 
 
@@ -67,6 +68,8 @@ class TransformersGenerator:
 
 
 def chat_prompt_ids(tokenizer, messages: list[dict]) -> list[int]:
+    if not tokenizer.chat_template:
+        raise LlmcError(f"{tokenizer.name_or_path}: the tokenizer has no chat template, which business evals need")
     rendered = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
     return tokenizer(rendered, add_special_tokens=False)["input_ids"]
 

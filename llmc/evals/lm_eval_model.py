@@ -3,6 +3,7 @@ artifacts included; tasks come from lm-eval, from llmc's own local tasks, or fro
 import logging
 from pathlib import Path
 
+import yaml
 from lm_eval import simple_evaluate
 from lm_eval.api.registry import register_model
 from lm_eval.models.huggingface import HFLM
@@ -47,7 +48,7 @@ def run_lm_eval(loaded: LoadedModel, names: list[str], limit: float | None = Non
     tasks, manager = resolve_tasks(names)
     logging.getLogger("lm_eval").setLevel(logging.ERROR)
     output = simple_evaluate(model=LlmcLM(loaded), tasks=tasks, limit=limit, task_manager=manager,
-                             log_samples=False, bootstrap_iters=0, verbosity="ERROR")
+                             log_samples=False, bootstrap_iters=0)
     results = {}
     for task, metrics in output["results"].items():
         better = output.get("higher_is_better", {}).get(task, {})
@@ -60,8 +61,6 @@ def run_lm_eval(loaded: LoadedModel, names: list[str], limit: float | None = Non
 
 
 def _task_name(path: Path) -> str:
-    import yaml
-
     for line in path.read_text().splitlines():
         if line.startswith("task:"):
             return yaml.safe_load(line)["task"]
