@@ -16,10 +16,10 @@ def write_charts(report: dict, folder: Path) -> list[str]:
         written.append(_bars(folder / "perplexity.png", perplexities, "perplexity (lower is better)"))
     if any("business" in t for t in targets.values()):
         written.append(_tag_scores(folder / "business_by_tag.png", targets))
-    recoveries = {label: targets[label]["vs_baseline"]["recovery"] for label in others if "recovery" in targets[label]["vs_baseline"]}
+    recoveries = {label: targets[label]["vs_baseline"].get("recovery") for label in others}
+    recoveries = {label: value for label, value in recoveries.items() if value is not None}
     if recoveries:
-        written.append(_bars(folder / "recovery.png", {k: v or 0.0 for k, v in recoveries.items()},
-                             "business score recovery vs baseline", reference=1.0))
+        written.append(_bars(folder / "recovery.png", recoveries, "business score recovery vs baseline", reference=1.0))
     kls = {label: targets[label]["vs_baseline"]["kl"] for label in others if "kl" in targets[label]["vs_baseline"]}
     if kls:
         written.append(_bars(folder / "kl.png", kls, "mean KL(baseline || target) per token (lower is better)"))
