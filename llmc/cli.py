@@ -37,28 +37,53 @@ def quantize(recipe: Path, output: str | None, overrides: tuple[str, ...], overw
 @click.option("--perplexity", "perplexity_data", metavar="FILE|NAME", help="Text file, or `wikitext2` (hub).")
 @click.option("--seq-len", default=1024, show_default=True, type=click.IntRange(min=2))
 @click.option("--max-windows", default=40, show_default=True, type=click.IntRange(min=1))
-@click.option("--json", "as_json", is_flag=True, help="Print results as JSON.")
-def evaluate(targets: tuple[str, ...], perplexity_data: str | None, seq_len: int, max_windows: int, as_json: bool) -> None:
+@click.option("--business", metavar="FILE", help="Business eval set (JSONL).")
+@click.option("--tasks", metavar="NAMES", help="lm-eval tasks, comma-separated: names or task YAML files.")
+@click.option("--limit", type=click.IntRange(min=1), help="Only the first N business items and task documents.")
+@click.option("--gate", "gate", multiple=True, metavar="KEY=VALUE",
+              help="Threshold, e.g. min_recovery=0.95, max_perplexity_increase=0.05, max_kl=0.1, min_agreement=0.8.")
+@click.option("--out", type=click.Path(path_type=Path), help="Write report.json, report.md and PNG charts here.")
+@click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
+def evaluate(targets: tuple[str, ...], perplexity_data: str | None, seq_len: int, max_windows: int, business: str | None,
+             tasks: str | None, limit: int | None, gate: tuple[str, ...], out: Path | None, as_json: bool) -> None:
     """Evaluate TARGETS (model specs or artifacts) side by side; the first is the baseline."""
-    from llmc.evals.perplexity import load_eval_text, perplexity
-    from llmc.models.loading import load_model
+    from llmc.evals.gate import GateFailed
+    from llmc.evals.report import SUMMARY_COLUMNS, summary_rows, write_report
+    from llmc.evals.suite import EvalTarget, evaluate_side_by_side
+    from llmc.recipe import eval_config
 
-    if perplexity_data is None:
-        raise LlmcError("nothing to evaluate: pass --perplexity FILE|wikitext2")
-    text = load_eval_text(perplexity_data)
-    results = []
-    for target in targets:
-        loaded = load_model(target)
-        result = perplexity(loaded.model, loaded.tokenizer, text, perplexity_data, seq_len, max_windows, label=target)
-        results.append({"target": target} | result.to_dict())
+    if not (perplexity_data or business or tasks):
+        raise LlmcError("nothing to evaluate: pass --perplexity FILE|wikitext2, --business FILE or --tasks NAMES")
+    if gate and len(targets) < 2:
+        raise LlmcError("--gate compares targets with the first one: give at least two targets")
+    config = eval_config({
+        "perplexity": {"dataset": perplexity_data, "seq_len": seq_len, "max_windows": max_windows} if perplexity_data else None,
+        "business": {"dataset": business, "limit": limit} if business else None,
+        "tasks": {"names": [name.strip() for name in tasks.split(",") if name.strip()], "limit": limit} if tasks else None,
+        "gate": dict(_threshold(item) for item in gate) or None,
+    }, source="llmc eval options")
+    labels = [target if target not in targets[:index] else f"{target}#{index + 1}" for index, target in enumerate(targets)]
+    report = evaluate_side_by_side([EvalTarget(label, target) for label, target in zip(labels, targets)], config)
+    if out is not None:
+        write_report(report, out)
     if as_json:
-        click.echo(json.dumps(results[0] if len(results) == 1 else results, indent=2))
-        return
-    table = Table("target", "perplexity", "vs first", "tokens", title=f"perplexity on {perplexity_data}")
-    for result in results:
-        delta = result["perplexity"] / results[0]["perplexity"] - 1
-        table.add_row(result["target"], f"{result['perplexity']:.3f}", f"{delta:+.2%}", str(result["tokens"]))
-    console.print(table)
+        click.echo(json.dumps(report, indent=2))
+    else:
+        table = Table(*SUMMARY_COLUMNS, title=f"baseline: {targets[0]}")
+        for row in summary_rows(report):
+            table.add_row(*row)
+        console.print(table)
+        if out is not None:
+            console.print(f"report: {out / 'report.md'}")
+    if "gate" in report and not report["gate"]["passed"]:
+        raise GateFailed("gate failed:\n  " + "\n  ".join(report["gate"]["failures"]))
+
+
+def _threshold(assignment: str) -> tuple[str, str]:
+    key, separator, value = assignment.partition("=")
+    if not separator:
+        raise LlmcError(f"--gate expects KEY=VALUE (e.g. min_recovery=0.95), got {assignment!r}")
+    return key.strip(), value.strip()
 
 
 @cli.command()
