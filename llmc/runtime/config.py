@@ -12,5 +12,5 @@ class EngineConfig:
     max_num_batched_tokens: int = 512  # token budget of one step; longer prompts are prefilled in chunks
     max_model_len: int | None = None  # None: the model's max_position_embeddings, capped by the KV cache
     enable_prefix_caching: bool = True
-    dtype: torch.dtype = torch.float32
+    dtype: torch.dtype = torch.bfloat16  # float32 runs the exact path (dense matmuls), bfloat16 the int4 kernels
     device: str = "cpu"

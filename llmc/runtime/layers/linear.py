@@ -1,15 +1,12 @@
-"""Linear layers built once at load from an artifact's weights. Each kernel says which weights and devices it
+"""Linear layers built once at load from an artifact's weights. Each kernel says which weights, dtypes and devices it
 `supports`; `build_linear` takes the first that does, so W8A8, FP8 and GPU kernels plug in by joining KERNELS."""
-import logging
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from llmc.quant.qtypes import QuantizedWeight, dequantize
-
-logger = logging.getLogger(__name__)
+from llmc.quant.qtypes import QuantizedWeight
 
 
 @dataclass(slots=True)
@@ -24,6 +21,8 @@ class LinearWeight:
 
 
 class DenseLinear(nn.Module):
+    """Plain weights, or quantized ones dequantized once at load with llmc's own arithmetic (the fallback)."""
+
     def __init__(self, weight: LinearWeight, dtype: torch.dtype, device: str):
         super().__init__()
         dense = weight.weight.dequantize() if isinstance(weight.weight, QuantizedWeight) else weight.weight
@@ -31,8 +30,8 @@ class DenseLinear(nn.Module):
         self.bias = None if weight.bias is None else nn.Parameter(weight.bias.to(device, dtype), requires_grad=False)
 
     @staticmethod
-    def supports(weight: LinearWeight, device: str) -> bool:
-        return not isinstance(weight.weight, QuantizedWeight)
+    def supports(weight: LinearWeight, dtype: torch.dtype, device: str) -> bool:
+        return True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(x, self.weight, self.bias)
@@ -40,7 +39,8 @@ class DenseLinear(nn.Module):
 
 class Int4CpuLinear(nn.Module):
     """Symmetric int4 groups on torch's own CPU kernel; the codes are repacked into its layout once, at load.
-    Its weights equal `dequantize` bit for bit (the zero term is 0), so only the matmul's summation order differs."""
+    With scales in the compute dtype its weights equal `dequantize` bit for bit (the zero term is 0), so only the
+    matmul's summation order differs. Chosen for bfloat16 only: the kernel's float32 path is slower than a dense matmul."""
 
     GROUP_SIZES = (32, 64, 128, 256)
 
@@ -56,10 +56,11 @@ class Int4CpuLinear(nn.Module):
         self.bias = None if weight.bias is None else nn.Parameter(weight.bias.to(dtype), requires_grad=False)
 
     @classmethod
-    def supports(cls, weight: LinearWeight, device: str) -> bool:
+    def supports(cls, weight: LinearWeight, dtype: torch.dtype, device: str) -> bool:
         quantized = weight.weight
         return (
             device == "cpu"
+            and dtype == torch.bfloat16
             and isinstance(quantized, QuantizedWeight)
             and quantized.args.num_bits == 4
             and quantized.args.symmetric
@@ -75,28 +76,7 @@ class Int4CpuLinear(nn.Module):
         return out if self.bias is None else out + self.bias
 
 
-class DequantLinear(nn.Module):
-    """Any integer format: dequantize with llmc's own arithmetic at every call, then matmul. The fallback."""
-
-    def __init__(self, weight: LinearWeight, dtype: torch.dtype, device: str):
-        super().__init__()
-        quantized = weight.weight
-        self.args = quantized.args
-        self.register_buffer("codes", quantized.codes.to(device))
-        self.register_buffer("scale", quantized.scale.to(device))
-        self.register_buffer("zero_point", quantized.zero_point.to(device))
-        self.bias = None if weight.bias is None else nn.Parameter(weight.bias.to(device, dtype), requires_grad=False)
-
-    @staticmethod
-    def supports(weight: LinearWeight, device: str) -> bool:
-        return isinstance(weight.weight, QuantizedWeight)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        weight = dequantize(self.codes, self.scale, self.zero_point, self.args).to(x.dtype)
-        return F.linear(x, weight, self.bias)
-
-
-KERNELS: list[type[nn.Module]] = [DenseLinear, Int4CpuLinear, DequantLinear]
+KERNELS: list[type[nn.Module]] = [Int4CpuLinear, DenseLinear]  # by priority; DenseLinear takes anything
 
 
 def merge(parts: list[LinearWeight]) -> LinearWeight:
@@ -121,5 +101,5 @@ def merge(parts: list[LinearWeight]) -> LinearWeight:
 
 def build_linear(parts: list[LinearWeight], dtype: torch.dtype, device: str) -> nn.Module:
     weight = merge(parts)
-    kernel = next(kernel for kernel in KERNELS if kernel.supports(weight, device))
+    kernel = next(kernel for kernel in KERNELS if kernel.supports(weight, dtype, device))
     return kernel(weight, dtype, device).to(device)
