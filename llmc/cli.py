@@ -75,6 +75,54 @@ def inspect(artifact: Path, as_json: bool) -> None:
         print_artifact(info, console)
 
 
+def engine_options(command):
+    """Options shared by every command that builds an in-process engine."""
+    options = [
+        click.option("--dtype", type=click.Choice(["bfloat16", "float32"]), default="bfloat16", show_default=True,
+                     help="bfloat16 runs int4 weights on torch's int4 kernel; float32 is the exact reference path."),
+        click.option("--kv-cache-gib", type=click.FloatRange(min=0.001), default=1.0, show_default=True),
+        click.option("--max-num-seqs", type=click.IntRange(min=1), default=64, show_default=True),
+        click.option("--max-num-batched-tokens", type=click.IntRange(min=1), default=512, show_default=True),
+        click.option("--max-model-len", type=click.IntRange(min=2)),
+        click.option("--no-prefix-caching", is_flag=True),
+    ]
+    for option in reversed(options):
+        command = option(command)
+    return command
+
+
+def build_engine(model: str, dtype: str, kv_cache_gib: float, max_num_seqs: int, max_num_batched_tokens: int,
+                 max_model_len: int | None, no_prefix_caching: bool):
+    import torch
+
+    from llmc.runtime.config import EngineConfig
+    from llmc.runtime.engine import LLMEngine
+
+    config = EngineConfig(
+        dtype=getattr(torch, dtype), kv_cache_gib=kv_cache_gib, max_num_seqs=max_num_seqs,
+        max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len, enable_prefix_caching=not no_prefix_caching,
+    )
+    return LLMEngine(model, config)
+
+
+@cli.command()
+@click.argument("artifact")
+@click.option("--host", default="127.0.0.1", show_default=True)
+@click.option("--port", type=int, default=8000, show_default=True)
+@click.option("--api-key", envvar="LLMC_API_KEY", help="Require `Authorization: Bearer KEY` on /v1 (or set LLMC_API_KEY).")
+@click.option("--served-model-name", help="The model name clients send (default: ARTIFACT as given).")
+@click.option("--max-waiting", type=click.IntRange(min=0), default=128, show_default=True,
+              help="Requests queued beyond --max-num-seqs before the server answers 503.")
+@engine_options
+def serve(artifact: str, host: str, port: int, api_key: str | None, served_model_name: str | None, max_waiting: int, **engine_kwargs) -> None:
+    """Serve ARTIFACT (or any model spec) over an OpenAI-compatible HTTP API."""
+    from llmc.runtime.async_engine import AsyncLLMEngine
+    from llmc.runtime.server import serve as run_server
+
+    engine = AsyncLLMEngine(build_engine(artifact, **engine_kwargs), max_waiting)
+    run_server(engine, served_model_name or artifact, host, port, api_key)
+
+
 def main() -> None:
     try:
         cli(standalone_mode=False)

@@ -51,14 +51,17 @@ class LLMEngine:
     def tokenize(self, prompt: str | list[int]) -> list[int]:
         return self.tokenizer.encode(prompt, add_special_tokens=False) if isinstance(prompt, str) else list(prompt)
 
-    def add_request(self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None) -> Sequence:
-        token_ids = self.tokenize(prompt)
+    def check_prompt(self, token_ids: list[int]) -> None:
         if not token_ids:
             raise LlmcError("the prompt is empty")
         if len(token_ids) >= self.max_model_len:
             raise LlmcError(f"the prompt has {len(token_ids)} tokens; this model accepts at most {self.max_model_len - 1}")
         if any(not 0 <= token < self.runner.hf_config.vocab_size for token in token_ids):
             raise LlmcError(f"prompt token ids must be in [0, {self.runner.hf_config.vocab_size})")
+
+    def add_request(self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None) -> Sequence:
+        token_ids = self.tokenize(prompt)
+        self.check_prompt(token_ids)
         seq = Sequence(token_ids, params, self.config.block_size, request_id)
         if seq.request_id in self.sequences:
             raise LlmcError(f"request id {seq.request_id!r} is already in use")

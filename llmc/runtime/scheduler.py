@@ -1,4 +1,4 @@
-from collections import deque
+from collections import Counter, deque
 
 from llmc.runtime.block_manager import BlockManager
 from llmc.runtime.config import EngineConfig
@@ -16,6 +16,7 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
+        self.num_finished: Counter[str] = Counter()  # by finish reason
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -69,3 +70,4 @@ class Scheduler:
             self.waiting.remove(seq)
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
+        self.num_finished[reason] += 1
