@@ -91,6 +91,13 @@ def engine_options(command):
     return command
 
 
+def require_serve_extra() -> None:
+    try:
+        import fastapi, httpx, prometheus_client, uvicorn  # noqa: F401
+    except ImportError as error:
+        raise LlmcError(f"{error.name} is not installed: pip install 'llmc-toolchain[serve]'") from None
+
+
 def build_engine(model: str, dtype: str, kv_cache_gib: float, max_num_seqs: int, max_num_batched_tokens: int,
                  max_model_len: int | None, no_prefix_caching: bool):
     import torch
@@ -116,6 +123,7 @@ def build_engine(model: str, dtype: str, kv_cache_gib: float, max_num_seqs: int,
 @engine_options
 def serve(artifact: str, host: str, port: int, api_key: str | None, served_model_name: str | None, max_waiting: int, **engine_kwargs) -> None:
     """Serve ARTIFACT (or any model spec) over an OpenAI-compatible HTTP API."""
+    require_serve_extra()
     from llmc.runtime.async_engine import AsyncLLMEngine
     from llmc.runtime.server import serve as run_server
 
@@ -144,6 +152,7 @@ def bench(model: str, dataset: Path, url: str | None, api_key: str | None, num_p
           request_rate: float | None, cancel_fraction: float, shared_prefix_tokens: int, chat_template: bool,
           baseline: str | None, baseline_num_prompts: int | None, seed: int, json_path: Path | None, **engine_kwargs) -> None:
     """Load-test MODEL (artifact or model spec) in process, or the server at --url that serves it."""
+    require_serve_extra()
     import asyncio
 
     from transformers import AutoTokenizer

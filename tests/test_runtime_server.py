@@ -1,7 +1,13 @@
 import asyncio
+import json
+import os
+import signal
 import socket
+import subprocess
+import sys
 import threading
 import time
+from pathlib import Path
 from types import SimpleNamespace
 
 import httpx
@@ -188,3 +194,38 @@ def test_soak_with_cancellations_leaks_no_blocks(server):
     assert set(results) <= {"cancelled", "stop", "length"}
     wait_until(lambda: idle(server))
     assert num_aborted(server) > aborted_before
+
+
+def test_llmc_serve_finishes_running_requests_on_sigterm(artifact):
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    env = os.environ | {"PYTHONPATH": str(Path(__file__).resolve().parents[1]), "OMP_NUM_THREADS": "1"}
+    command = [sys.executable, "-m", "llmc", "serve", str(artifact), "--port", str(port), "--dtype", "float32",
+               "--kv-cache-gib", "0.01", "--served-model-name", "tiny"]
+    process = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    base = f"http://127.0.0.1:{port}"
+
+    def healthy() -> bool:
+        assert process.poll() is None, process.stdout.read()
+        try:
+            return httpx.get(f"{base}/health").status_code == 200
+        except httpx.ConnectError:
+            return False
+
+    try:
+        wait_until(healthy, timeout=180)
+        body = {"model": "tiny", "prompt": PROMPT, "max_tokens": 400, "stream": True, "ignore_eos": True}
+        with httpx.stream("POST", f"{base}/v1/completions", json=body, timeout=120) as response:
+            lines = (line for line in response.iter_lines() if line)
+            first = next(lines)
+            process.send_signal(signal.SIGTERM)
+            rest = list(lines)
+        assert first.startswith("data: ") and rest[-1] == "data: [DONE]"
+        assert json.loads(rest[-2][6:])["choices"][0]["finish_reason"] == "length" and len(rest) == 400
+        # uvicorn re-raises the signal it captured once the graceful shutdown is done
+        assert process.wait(timeout=120) in (0, -signal.SIGTERM)
+        assert "Finished server process" in process.stdout.read()
+    finally:
+        if process.poll() is None:
+            process.kill()

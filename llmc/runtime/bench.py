@@ -192,10 +192,19 @@ class KvSampler:
         manager = self.llm.block_manager
         while True:
             used = manager.num_used_blocks
-            tokens = sum(seq.num_computed_tokens for seq in list(self.llm.scheduler.running))
             if used > self.peak_blocks:
-                self.peak_blocks, self.occupancy_at_peak = used, min(1.0, tokens / (used * manager.block_size))
+                self.peak_blocks, self.occupancy_at_peak = used, self._occupancy()
             await asyncio.sleep(0.01)
+
+    def _occupancy(self) -> float:
+        """Computed tokens ÷ slots over the blocks running sequences hold (a shared prefix block counts once)."""
+        block_size = self.llm.block_manager.block_size
+        filled: dict[int, int] = {}
+        for seq in list(self.llm.scheduler.running):
+            for index, block_id in enumerate(list(seq.block_table)):
+                tokens = min(block_size, max(0, seq.num_computed_tokens - index * block_size))
+                filled[block_id] = max(filled.get(block_id, 0), tokens)
+        return sum(filled.values()) / (len(filled) * block_size) if filled else 0.0
 
     def report(self) -> dict:
         manager = self.llm.block_manager
