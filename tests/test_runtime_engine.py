@@ -146,3 +146,42 @@ def test_abort_frees_blocks_and_bad_requests_are_clear_errors(llm):
         llm.add_request([1] * 600, GREEDY)
     with pytest.raises(LlmcError, match="top_p"):
         SamplingParams(top_p=0)
+
+
+VARIANTS = {
+    "mistral": ("mistral", {}),
+    "llama-linear-rope-tied": ("llama", {"rope_parameters": {"rope_type": "linear", "factor": 2.0, "rope_theta": 10000.0},
+                                         "tie_word_embeddings": True}),
+    "llama3-rope": ("llama", {"rope_parameters": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                                  "high_freq_factor": 4.0, "original_max_position_embeddings": 64,
+                                                  "rope_theta": 10000.0}}),
+    "qwen2-biases": ("qwen2", {}),
+}
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_dense_checkpoints_of_each_family_match_transformers(tmp_path, variant):
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from conftest import build_tokenizer
+
+    model_type, extra = VARIANTS[variant]
+    tokenizer = build_tokenizer(tmp_path)
+    config = AutoConfig.for_model(
+        model_type, vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=1, max_position_embeddings=256, eos_token_id=tokenizer.eos_token_id, **extra,
+    )
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    for name, parameter in model.named_parameters():
+        if name.endswith("bias"):
+            parameter.data.normal_(0, 0.5)  # transformers starts Qwen2's q/k/v biases at zero
+    model.save_pretrained(tmp_path)
+    model.generation_config.eos_token_id = None
+    llm = engine(tmp_path, num_kv_blocks=32)
+    outputs = llm.generate(PROMPTS[:4], SamplingParams(temperature=0, max_tokens=32, ignore_eos=True))
+    for prompt, output in zip(PROMPTS[:4], outputs):
+        ids = torch.tensor([llm.tokenize(prompt)])
+        with torch.no_grad():
+            generated = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=32, do_sample=False)
+        assert output["token_ids"] == generated[0, ids.shape[1] :].tolist()
