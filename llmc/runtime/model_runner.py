@@ -29,7 +29,8 @@ class ModelRunner:
         num_layers, num_kv_heads = hf_config.num_hidden_layers, hf_config.num_key_value_heads
         head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // hf_config.num_attention_heads
         block_bytes = 2 * num_layers * config.block_size * num_kv_heads * head_dim * config.dtype.itemsize
-        self.num_blocks = config.num_kv_blocks or int(config.kv_cache_gib * 2**30 // block_bytes)
+        blocks_per_seq = -(-hf_config.max_position_embeddings // config.block_size)
+        self.num_blocks = config.num_kv_blocks or min(int(config.kv_cache_gib * 2**30 // block_bytes), config.max_num_seqs * blocks_per_seq)
         self.max_model_len = min(
             config.max_model_len or hf_config.max_position_embeddings,
             hf_config.max_position_embeddings,
