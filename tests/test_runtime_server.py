@@ -229,3 +229,15 @@ def test_llmc_serve_finishes_running_requests_on_sigterm(artifact):
     finally:
         if process.poll() is None:
             process.kill()
+
+
+def test_bench_against_the_url_with_poisson_arrivals(server):
+    from llmc.runtime.bench import bench_url
+
+    prompts = [f"{PROMPT} {index}" for index in range(6)]
+    lengths = [len(server.llm.tokenize(prompt)) for prompt in prompts]
+    load = dict(max_tokens=8, concurrency=None, request_rate=50.0, cancel_fraction=0.5, seed=1)
+    results = asyncio.run(bench_url(server.base, "tiny", API_KEY, prompts, lengths, **load))
+    assert results["completed"] + results["cancelled"] == 6 and results["cancelled"] > 0
+    assert results["total_output_tokens"] >= 8 * results["completed"] and results["tpot"]["p50_ms"] > 0
+    wait_until(lambda: idle(server))
