@@ -41,12 +41,12 @@ def dense_state_dict(folder: Path, dtype: torch.dtype) -> dict[str, torch.Tensor
     for name in reader.file_of:
         if name.endswith(PACKED_SUFFIX):
             module = name.removesuffix(PACKED_SUFFIX)
-            args = next(args for targets, args in groups if _targets_module(module, targets))
+            args = quant_args_of(module, groups)
             state[f"{module}.weight"] = read_quantized_weight(reader, module, args).dequantize().to(dtype)
         elif not name.rsplit(".", 1)[-1].startswith(("weight_scale", "weight_shape", "weight_zero_point")):
             state[name] = reader.tensor(name).to(dtype)
     return state
 
 
-def _targets_module(name: str, targets: list[str]) -> bool:
-    return "Linear" in targets or matches(name, torch.nn.Identity(), targets)
+def quant_args_of(module: str, groups: list[tuple[list[str], QuantArgs]]) -> QuantArgs:
+    return next(args for targets, args in groups if "Linear" in targets or matches(module, torch.nn.Identity(), targets))
