@@ -22,7 +22,7 @@ from llmc.models.families import family_for
 from llmc.models.loading import load_model
 from llmc.models.spec import resolve_model
 from llmc.quant.qtypes import QuantArgs
-from llmc.quant.stages import assign_linears, build_quantizers, check_group_sizes
+from llmc.quant.stages import assign_linears, build_stages, check_group_sizes
 from llmc.recipe import Recipe
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -36,16 +36,17 @@ def export_dtype(recipe: Recipe, config) -> torch.dtype:
     return getattr(torch, source) if isinstance(source, str) else source
 
 
-def plan_quantization(quantizers: list, skeleton, family) -> dict[str, QuantArgs]:
+def plan_quantization(stages: list, skeleton, family) -> dict[str, QuantArgs]:
     """Which Linear gets which format, checked for the whole model before any weight is read."""
     plan: dict[str, QuantArgs] = {}
-    per_stage_all: list[dict] = [{} for _ in quantizers]
+    per_stage_all: list[dict] = [{} for _ in stages]
     for index, layer in enumerate(decoder_layers(skeleton, family)):
-        for stage_linears, chosen in zip(per_stage_all, assign_linears(quantizers, layer_linears(layer, f"{family.layers}.{index}"))):
+        for stage_linears, chosen in zip(per_stage_all, assign_linears(stages, layer_linears(layer, f"{family.layers}.{index}"))):
             stage_linears.update(chosen)
-    check_group_sizes(quantizers, per_stage_all)
-    for quantizer, linears in zip(quantizers, per_stage_all):
-        plan |= {name: quantizer.config.weights for name in linears}
+    check_group_sizes(stages, per_stage_all)
+    for stage, linears in zip(stages, per_stage_all):
+        if stage.quantizes:
+            plan |= {name: stage.config.weights for name in linears}
     if not plan:
         raise LlmcError("the recipe's stages target no Linear layer; check their targets and ignore lists")
     return plan
@@ -62,9 +63,9 @@ def run_quantize(recipe: Recipe, overwrite: bool = False) -> Path:
     family = family_for(config)
     tokenizer = AutoTokenizer.from_pretrained(folder)
     dtype = export_dtype(recipe, config)
-    quantizers = build_quantizers(recipe, dtype)
+    stages = build_stages(recipe, dtype, family)
     skeleton = build_skeleton(AutoConfig.from_pretrained(folder))
-    plan = plan_quantization(quantizers, skeleton, family)
+    plan = plan_quantization(stages, skeleton, family)
     calibration = load_calibration(recipe.calibration, tokenizer) if recipe.calibration else None
     timings["prepare_s"] = time.perf_counter() - started
 
@@ -73,7 +74,7 @@ def run_quantize(recipe: Recipe, overwrite: bool = False) -> Path:
         num_layers = len(decoder_layers(skeleton, family))
         writer = ShardWriter(staging, num_layers + 1, dtype)
         started = time.perf_counter()
-        reports = quantize_layerwise(reader, skeleton, config, family, quantizers, calibration, writer.write_layer)
+        reports = quantize_layerwise(reader, skeleton, config, family, stages, calibration, writer.write_layer)
         rest = {name: reader.tensor(name).to(dtype) for name in reader.file_of if not name.startswith(f"{family.layers}.")}
         writer.write(rest)
         writer.write_index()
@@ -91,7 +92,7 @@ def run_quantize(recipe: Recipe, overwrite: bool = False) -> Path:
             "model": recipe.model,
             "libraries": {name: version(name) for name in LIBRARIES} | {"python": platform.python_version()},
             "export_dtype": str(dtype).removeprefix("torch."),
-            "stages": [{"type": stage.type, "weights": stage.weights.describe()} for stage in recipe.stages],
+            "stages": [{"type": stage.type} | ({"weights": stage.weights.describe()} if hasattr(stage, "weights") else {}) for stage in recipe.stages],
             "calibration": None if calibration is None else {
                 "dataset": calibration.source,
                 "num_samples": calibration.input_ids.shape[0],

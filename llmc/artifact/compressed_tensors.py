@@ -20,12 +20,15 @@ def pack_quantized_tensors(name: str, weight: QuantizedWeight) -> dict[str, torc
     if not args.symmetric:
         # zero points pack along the output dim: [ceil(out * b / 32), in / group_size]
         tensors[f"{name}.weight_zero_point"] = pack_int32(weight.zero_point.t(), args.num_bits).t().contiguous()
+    if weight.g_idx is not None:
+        tensors[f"{name}.weight_g_idx"] = weight.g_idx.to(torch.int32)
     return tensors
 
 
 def to_ct_args(args: QuantArgs) -> QuantizationArgs:
     return QuantizationArgs(
-        num_bits=args.num_bits, type=args.type, symmetric=args.symmetric, strategy=args.strategy, group_size=args.group_size
+        num_bits=args.num_bits, type=args.type, symmetric=args.symmetric, strategy=args.strategy,
+        group_size=args.group_size, actorder=args.actorder,
     )
 
 
@@ -60,6 +63,7 @@ def weight_args_from_config(quantization_config: dict) -> list[tuple[list[str], 
             symmetric=weights["symmetric"],
             strategy=weights["strategy"],
             group_size=weights.get("group_size"),
+            actorder=weights.get("actorder"),
         )
         result.append((group["targets"], args))
     return result

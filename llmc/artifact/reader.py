@@ -30,7 +30,8 @@ def read_quantized_weight(reader: CheckpointReader, name: str, args: QuantArgs) 
     else:
         packed_zero_point = reader.tensor(f"{name}.weight_zero_point")
         zero_point = unpack_int32(packed_zero_point.t().contiguous(), args.num_bits, out_features).t()
-    return QuantizedWeight(codes, scale, zero_point.contiguous(), args)
+    g_idx = reader.tensor(f"{name}.weight_g_idx") if f"{name}.weight_g_idx" in reader else None
+    return QuantizedWeight(codes, scale, zero_point.contiguous(), args, g_idx)
 
 
 def dense_state_dict(folder: Path, dtype: torch.dtype) -> dict[str, torch.Tensor]:
@@ -43,7 +44,7 @@ def dense_state_dict(folder: Path, dtype: torch.dtype) -> dict[str, torch.Tensor
             module = name.removesuffix(PACKED_SUFFIX)
             args = next(args for targets, args in groups if _targets_module(module, targets))
             state[f"{module}.weight"] = read_quantized_weight(reader, module, args).dequantize().to(dtype)
-        elif not name.rsplit(".", 1)[-1].startswith(("weight_scale", "weight_shape", "weight_zero_point")):
+        elif not name.rsplit(".", 1)[-1].startswith(("weight_scale", "weight_shape", "weight_zero_point", "weight_g_idx")):
             state[name] = reader.tensor(name).to(dtype)
     return state
 
