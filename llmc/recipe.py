@@ -114,7 +114,27 @@ class Recipe(StrictModel):
                     raise ValueError(f"stages.{index} (awq) must be followed by a stage that quantizes (rtn or gptq)")
             if isinstance(stage, (AWQStage, GPTQStage)) and self.calibration is None:
                 raise ValueError(f"stages.{index} ({stage.type}) needs a calibration section")
+        self._check_export()
         return self
+
+    def _check_export(self) -> None:
+        formats = {stage.weights for stage in self.stages if isinstance(stage, WEIGHT_STAGES)}
+        fmt = self.export.format
+        for index, stage in enumerate(self.stages):
+            if isinstance(stage, WEIGHT_STAGES) and stage.weights.actorder == "group" and fmt != "gptq":
+                raise ValueError(
+                    f"stages.{index}.weights.actorder: 'group' needs a g_idx tensor, which only export.format gptq "
+                    f"carries (compressed-tensors dropped it); use actorder: static"
+                )
+        if fmt == "compressed-tensors":
+            return
+        if len(formats) > 1:
+            raise ValueError(f"export.format {fmt}: its config holds one weight format, the stages use {len(formats)}")
+        args = next(iter(formats))
+        if fmt == "gptq" and (args.strategy == "tensor" or args.num_bits not in (4, 8)):
+            raise ValueError("export.format gptq: needs 4 or 8 bits with strategy group or channel")
+        if fmt == "awq" and (args.strategy != "group" or args.num_bits != 4):
+            raise ValueError("export.format awq: needs num_bits 4 with strategy group")
 
     def to_yaml(self) -> str:
         return yaml.safe_dump(self.model_dump(mode="json", exclude_none=False), sort_keys=False)

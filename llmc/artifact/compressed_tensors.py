@@ -63,7 +63,7 @@ def weight_args_from_config(quantization_config: dict) -> list[tuple[list[str], 
             symmetric=weights["symmetric"],
             strategy=weights["strategy"],
             group_size=weights.get("group_size"),
-            actorder=weights.get("actorder"),
+            actorder="static" if weights.get("actorder") == "weight" else weights.get("actorder"),
         )
         result.append((group["targets"], args))
     return result
