@@ -11,7 +11,7 @@ import torch
 from transformers import AutoConfig, AutoTokenizer
 
 import llmc
-from llmc.artifact.compressed_tensors import quantization_config
+from llmc.artifact.export import exporter_for
 from llmc.artifact.writer import ShardWriter, staged_folder, write_manifest
 from llmc.calib.data import load_calibration
 from llmc.calib.driver import build_skeleton, decoder_layers, layer_linears, quantize_layerwise
@@ -63,7 +63,8 @@ def run_quantize(recipe: Recipe, overwrite: bool = False) -> Path:
     family = family_for(config)
     tokenizer = AutoTokenizer.from_pretrained(folder)
     dtype = export_dtype(recipe, config)
-    stages = build_stages(recipe, dtype, family)
+    exporter = exporter_for(recipe)
+    stages = build_stages(recipe, exporter.scale_dtype or dtype, family)
     skeleton = build_skeleton(AutoConfig.from_pretrained(folder))
     plan = plan_quantization(stages, skeleton, family)
     calibration = load_calibration(recipe.calibration, tokenizer) if recipe.calibration else None
@@ -72,7 +73,7 @@ def run_quantize(recipe: Recipe, overwrite: bool = False) -> Path:
     with staged_folder(output, overwrite) as staging:
         reader = CheckpointReader(folder)
         num_layers = len(decoder_layers(skeleton, family))
-        writer = ShardWriter(staging, num_layers + 1, dtype)
+        writer = ShardWriter(staging, num_layers + 1, dtype, exporter.tensors)
         started = time.perf_counter()
         reports = quantize_layerwise(reader, skeleton, config, family, stages, calibration, writer.write_layer)
         rest = {name: reader.tensor(name).to(dtype) for name in reader.file_of if not name.startswith(f"{family.layers}.")}
@@ -80,7 +81,10 @@ def run_quantize(recipe: Recipe, overwrite: bool = False) -> Path:
         writer.write_index()
         timings["quantize_s"] = time.perf_counter() - started
         all_linears = [name for name, module in skeleton.named_modules() if isinstance(module, torch.nn.Linear)]
-        _write_config(folder, staging, quantization_config(plan, all_linears), dtype)
+        quantization = exporter.config(plan, all_linears)
+        _write_config(folder, staging, quantization, dtype)
+        for name in exporter.extra_files:
+            (staging / name).write_text(json.dumps(quantization, indent=2, sort_keys=True) + "\n")
         tokenizer.save_pretrained(staging)
         (staging / "recipe.yaml").write_text(recipe.to_yaml())
         started = time.perf_counter()

@@ -131,8 +131,13 @@ class Recipe(StrictModel):
         if len(formats) > 1:
             raise ValueError(f"export.format {fmt}: its config holds one weight format, the stages use {len(formats)}")
         args = next(iter(formats))
-        if fmt == "gptq" and (args.strategy == "tensor" or args.num_bits not in (4, 8)):
-            raise ValueError("export.format gptq: needs 4 or 8 bits with strategy group or channel")
+        if fmt == "gptq" and args.strategy == "tensor":
+            raise ValueError("export.format gptq: needs strategy group or channel")
+        if fmt == "gptq" and self.export.checkpoint_format == "gptq" and not args.symmetric:
+            raise ValueError(
+                "export.checkpoint_format gptq (v1) stores zero - 1 and cannot hold the zero point 0 that asymmetric "
+                "groups may need; use checkpoint_format: gptq_v2, or symmetric weights"
+            )
         if fmt == "awq" and (args.strategy != "group" or args.num_bits != 4):
             raise ValueError("export.format awq: needs num_bits 4 with strategy group")
 

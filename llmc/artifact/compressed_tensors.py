@@ -20,8 +20,6 @@ def pack_quantized_tensors(name: str, weight: QuantizedWeight) -> dict[str, torc
     if not args.symmetric:
         # zero points pack along the output dim: [ceil(out * b / 32), in / group_size]
         tensors[f"{name}.weight_zero_point"] = pack_int32(weight.zero_point.t(), args.num_bits).t().contiguous()
-    if weight.g_idx is not None:
-        tensors[f"{name}.weight_g_idx"] = weight.g_idx.to(torch.int32)
     return tensors
 
 
