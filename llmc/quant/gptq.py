@@ -65,6 +65,9 @@ def gptq_quantize(
         block_size = max(args.group_size, block_size // args.group_size * args.group_size)  # whole groups per block
 
     codes = torch.empty_like(work, dtype=torch.int8)
+    if fixed is not None:  # each column's own scale and zero point, in the permuted order
+        expand = (lambda t: t[:, order // args.group_size]) if grouped else (lambda t: t.reshape(-1, 1).expand(work.shape))
+        column_scales, column_zeros = expand(fixed[0]), expand(fixed[1])
     reached: list[tuple[torch.Tensor, torch.Tensor]] = []  # group parameters fixed when their first column comes
     for start in range(0, columns, block_size):
         end = min(start + block_size, columns)
@@ -72,15 +75,11 @@ def gptq_quantize(
         errors = torch.empty_like(block)
         for i in range(end - start):
             column = start + i
-            if fixed is None:
-                if column % args.group_size == 0:
-                    reached.append(compute_qparams(*observe_minmax(block[:, i : i + args.group_size], args), args, scale_dtype))
+            if fixed is not None:
+                scale, zero_point = column_scales[:, column : column + 1], column_zeros[:, column : column + 1]
+            elif column % args.group_size == 0:
+                reached.append(compute_qparams(*observe_minmax(block[:, i : i + args.group_size], args), args, scale_dtype))
                 scale, zero_point = reached[-1]
-            elif grouped:
-                group = int(order[column]) // args.group_size
-                scale, zero_point = fixed[0][:, group : group + 1], fixed[1][:, group : group + 1]
-            else:
-                scale, zero_point = fixed[0].reshape(-1, 1), fixed[1].reshape(-1, 1)
             original = block[:, i : i + 1]
             quantized = quantize_columns(original, scale, zero_point, args)
             codes[:, column] = quantized[:, 0]
