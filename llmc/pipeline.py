@@ -22,7 +22,7 @@ from llmc.models.families import family_for
 from llmc.models.loading import load_model
 from llmc.models.spec import resolve_model
 from llmc.quant.qtypes import QuantArgs
-from llmc.quant.stages import assign_linears, build_stages, check_group_sizes
+from llmc.quant.stages import assign_linears, build_stages, check_group_sizes, formats_of
 from llmc.recipe import Recipe
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -38,15 +38,12 @@ def export_dtype(recipe: Recipe, config) -> torch.dtype:
 
 def plan_quantization(stages: list, skeleton, family) -> dict[str, QuantArgs]:
     """Which Linear gets which format, checked for the whole model before any weight is read."""
-    plan: dict[str, QuantArgs] = {}
     per_stage_all: list[dict] = [{} for _ in stages]
     for index, layer in enumerate(decoder_layers(skeleton, family)):
         for stage_linears, chosen in zip(per_stage_all, assign_linears(stages, layer_linears(layer, f"{family.layers}.{index}"))):
             stage_linears.update(chosen)
     check_group_sizes(stages, per_stage_all)
-    for stage, linears in zip(stages, per_stage_all):
-        if stage.quantizes:
-            plan |= {name: stage.config.weights for name in linears}
+    plan = formats_of(stages, per_stage_all)
     if not plan:
         raise LlmcError("the recipe's stages target no Linear layer; check their targets and ignore lists")
     return plan

@@ -16,7 +16,7 @@ from llmc.calib.layer import COMPUTE_DTYPE, LayerRunner, LayerWork, Stage, recor
 from llmc.models.checkpoint import CheckpointReader
 from llmc.models.families import Family
 from llmc.quant.qtypes import QuantizedWeight
-from llmc.quant.stages import assign_linears
+from llmc.quant.stages import assign_linears, formats_of
 
 EmitLayer = Callable[[str, nn.Module, dict[str, QuantizedWeight]], None]
 
@@ -78,7 +78,7 @@ def quantize_layerwise(
         layer = layers[index]
         materialize(layer, reader, prefix)
         per_stage = assign_linears(stages, layer_linears(layer, prefix))
-        plan = {name: stage.config.weights for stage, chosen in zip(stages, per_stage) if stage.quantizes for name in chosen}
+        plan = formats_of(stages, per_stage)
         reference = None
         quantized: dict[str, QuantizedWeight] = {}
         for position, (stage, linears) in enumerate(zip(stages, per_stage)):

@@ -8,6 +8,7 @@ from llmc.errors import LlmcError
 from llmc.models.families import Family
 from llmc.quant.awq import AWQTransform
 from llmc.quant.gptq import GPTQQuantizer
+from llmc.quant.qtypes import QuantArgs
 from llmc.quant.rtn import RTNQuantizer
 from llmc.quant.targets import select
 from llmc.recipe import AWQStage, GPTQStage, Recipe
@@ -41,6 +42,11 @@ def assign_linears(stages: list, linears: dict[str, nn.Linear]) -> list[dict[str
             assigned[name] = index
         per_stage.append(chosen)
     return per_stage
+
+
+def formats_of(stages: list, per_stage: list[dict[str, nn.Linear]]) -> dict[str, QuantArgs]:
+    """Each quantized Linear's format, from the stages that quantize."""
+    return {name: stage.config.weights for stage, chosen in zip(stages, per_stage) if stage.quantizes for name in chosen}
 
 
 def check_group_sizes(stages: list, per_stage: list[dict[str, nn.Linear]]) -> None:
