@@ -1,10 +1,10 @@
 """W4A16 (group 64) methods on SmolLM2-135M-Instruct, side by side: perplexity on WikiText-2 (first N windows of
-1,024 tokens), its increase over fp32, quantization wall time (process start to artifact written, model loading
-included) and the quantizing process's peak RSS. Calibration: Spec-Bench's non-MT-bench prompts, the same token
+1,024 tokens), its increase over fp32, quantization wall and CPU time (process start to artifact written, model
+loading included; CPU time is the fairer figure on a shared machine) and the quantizing process's peak RSS. Calibration: Spec-Bench's non-MT-bench prompts, the same token
 windows for every method. Where `llmcompressor` is installed its GPTQ and AWQ run on the same model, samples and
 windows. `--memory` instead repeats the foundation's depth figure with GPTQ: random Llamas of equal width, 8 and 32 layers.
 
-    python benchmarks/quantize.py [--samples 128] [--seq-len 512] [--windows 40] [--only gptq awq] [--memory]
+    python benchmarks/quantize.py [--samples 128] [--seq-len 512] [--windows 40] [--only GPTQ "AWQ clip" ...] [--memory]
 """
 import argparse
 import json
@@ -13,6 +13,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from functools import partial
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -52,15 +53,15 @@ def spec_bench_calibration(folder: Path) -> Path:
     return path
 
 
-def run_measured(command: list[str]) -> tuple[float, float]:
-    """Wall seconds and peak RSS (MiB) of one child process."""
+def run_measured(command: list[str]) -> tuple[float, float, float]:
+    """Wall seconds, CPU seconds and peak RSS (MiB) of one child process."""
     started = time.perf_counter()
     process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     _, status, usage = os.wait4(process.pid, 0)
     seconds = time.perf_counter() - started
     if status != 0:
         raise RuntimeError(f"{' '.join(command)} failed:\n{process.stderr.read().decode()[-3000:]}")
-    return seconds, usage.ru_maxrss / 1024
+    return seconds, usage.ru_utime + usage.ru_stime, usage.ru_maxrss / 1024
 
 
 def llmc_quantize(folder: Path, name: str, stages: str, model: str, calibration: Path, samples: int, seq_len: int):
@@ -79,11 +80,15 @@ def llmcompressor_worker(model: str, method: str, symmetric: bool, ids_file: str
     from llmcompressor import oneshot
     from llmcompressor.modifiers.awq import AWQModifier
     from llmcompressor.modifiers.gptq import GPTQModifier
+    from llmcompressor.pipelines.cache import IntermediatesCache
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from llmc.models.spec import resolve_model
 
+    # llm-compressor 0.14's AWQ pins its activation cache, which raises without an accelerator; on CPU pinning
+    # would only speed up host-to-device copies that never happen
+    IntermediatesCache.pin_memory = lambda self, *args, **kwargs: None
     folder = resolve_model(model)
     loaded = AutoModelForCausalLM.from_pretrained(folder, dtype="float32")
     ids = load_file(ids_file)["input_ids"]
@@ -126,24 +131,29 @@ def quality_table(args) -> list[dict]:
     from llmc.recipe import CalibrationConfig
 
     text = (DATA / "wikitext-2-raw" / "wiki.test.raw").read_text()
-    rows = [{"method": "fp32", "perplexity": perplexity_of(args.model, text, args.windows), "seconds": None, "rss": None}]
+    rows = [{"method": "fp32", "perplexity": perplexity_of(args.model, text, args.windows), "seconds": None, "cpu": None, "rss": None}]
     with tempfile.TemporaryDirectory() as tmp:
         folder = Path(tmp)
         calibration = spec_bench_calibration(folder)
         config = CalibrationConfig(dataset=str(calibration), num_samples=args.samples, seq_len=args.seq_len)
         ids = load_calibration(config, AutoTokenizer.from_pretrained(resolve_model(args.model))).input_ids
         save_file({"input_ids": ids.contiguous()}, str(folder / "ids.safetensors"))
-        runs = [(name, lambda name=name: llmc_quantize(folder, name, LLMC[name], args.model, calibration, args.samples,
-                                                       args.seq_len)) for name in LLMC]
+        runs = {name: partial(llmc_quantize, folder, name, LLMC[name], args.model, calibration, args.samples, args.seq_len)
+                for name in LLMC}
         if importlib.util.find_spec("llmcompressor"):
-            runs += [(name, lambda name=name: llmcompressor_quantize(folder, name, args.model, folder / "ids.safetensors"))
-                     for name in LLMCOMPRESSOR]
-        for name, quantize in runs:
-            if args.only and not any(word.lower() in name.lower() for word in args.only):
+            runs |= {name: partial(llmcompressor_quantize, folder, name, args.model, folder / "ids.safetensors")
+                     for name in LLMCOMPRESSOR}
+        for name in args.only or runs:
+            if name not in runs:
+                print(f"{name}: llmcompressor is not installed", file=sys.stderr)
                 continue
-            artifact, seconds, rss = quantize()
+            try:
+                artifact, seconds, cpu, rss = runs[name]()
+            except RuntimeError as error:  # one method failing (e.g. an llm-compressor version quirk) keeps the rest
+                print(f"{name}: {error}", file=sys.stderr)
+                continue
             rows.append({"method": name, "perplexity": perplexity_of(str(artifact), text, args.windows),
-                         "seconds": seconds, "rss": rss})
+                         "seconds": seconds, "cpu": cpu, "rss": rss})
             print(json.dumps(rows[-1]), flush=True)
     return rows
 
@@ -164,7 +174,7 @@ def memory_figure(args) -> dict[int, float]:
                                  num_key_value_heads=args.hidden // 256, tie_word_embeddings=True)
             LlamaForCausalLM(config).save_pretrained(model)
             AutoTokenizer.from_pretrained(resolve_model("smollm2-135m")).save_pretrained(model)
-            _, _, peaks[layers] = llmc_quantize(Path(tmp), f"memory {layers}", LLMC["GPTQ"], str(model), calibration, 32, 512)
+            _, _, _, peaks[layers] = llmc_quantize(Path(tmp), f"memory {layers}", LLMC["GPTQ"], str(model), calibration, 32, 512)
     return peaks
 
 
@@ -177,7 +187,7 @@ def main() -> None:
     parser.add_argument("--samples", type=int, default=128)
     parser.add_argument("--seq-len", type=int, default=512)
     parser.add_argument("--windows", type=int, default=40)
-    parser.add_argument("--only", nargs="*", help="run only methods whose name contains one of these words")
+    parser.add_argument("--only", nargs="*", choices=[*LLMC, *LLMCOMPRESSOR], help="these methods, in this order")
     parser.add_argument("--memory", action="store_true", help="only the 8- vs 32-layer peak RSS figure, with GPTQ")
     parser.add_argument("--hidden", type=int, default=1024, help="width of the random Llamas for --memory")
     args = parser.parse_args()
@@ -189,11 +199,10 @@ def main() -> None:
     rows = quality_table(args)
     base = rows[0]["perplexity"]
     print(f"\nW4A16 g64, calibration {args.samples} x {args.seq_len} Spec-Bench tokens, WikiText-2 {args.windows} x 1024")
-    print("| method | perplexity | vs fp32 | quantize s | peak RSS MiB |\n|---|---|---|---|---|")
+    print("| method | perplexity | vs fp32 | quantize wall s | quantize CPU s | peak RSS MiB |\n|---|---|---|---|---|---|")
     for row in rows:
-        seconds = "" if row["seconds"] is None else f"{row['seconds']:.0f}"
-        rss = "" if row["rss"] is None else f"{row['rss']:.0f}"
-        print(f"| {row['method']} | {row['perplexity']:.3f} | {row['perplexity'] / base - 1:+.2%} | {seconds} | {rss} |")
+        cells = ["" if row[key] is None else f"{row[key]:.0f}" for key in ("seconds", "cpu", "rss")]
+        print(f"| {row['method']} | {row['perplexity']:.3f} | {row['perplexity'] / base - 1:+.2%} | {' | '.join(cells)} |")
 
 
 if __name__ == "__main__":

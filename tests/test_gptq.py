@@ -157,3 +157,14 @@ def test_act_order_group_is_refused_for_compressed_tensors(tmp_path, tiny_llama,
     stage = GPTQ_STAGE.format(extra=", actorder: group")
     with pytest.raises(LlmcError, match="stages.0.weights.actorder: 'group' needs a g_idx tensor"):
         load_recipe(write_recipe(tmp_path / "r.yaml", tiny_llama, tmp_path / "out", stage, calib_file))
+
+
+def test_stacking_linears_that_share_a_hessian_changes_nothing():
+    args = FORMATS["w4-asym-g32"]
+    generator = torch.Generator().manual_seed(9)
+    first, second = torch.randn(16, 64, generator=generator), torch.randn(8, 64, generator=generator)
+    hessian = hessian_of(correlated_inputs(256, 64, seed=10))
+    stacked = gptq_quantize(torch.cat([first, second]), hessian, args)
+    for part, weight in ((stacked.rows(0, 16), first), (stacked.rows(16, 24), second)):
+        alone = gptq_quantize(weight, hessian, args)
+        assert torch.equal(part.codes, alone.codes) and torch.equal(part.scale, alone.scale)

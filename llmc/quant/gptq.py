@@ -134,14 +134,30 @@ class GPTQQuantizer:
         owner = self.owner[name]
         return 2 * self.sums[owner] / self.counts[owner]
 
+    def input_groups(self, work: LayerWork) -> list[list[str]]:
+        """Linears sharing a Hessian, to quantize as one stacked weight: GPTQ treats rows independently, so that is
+        exact and walks the columns once. Not for per-tensor scales, which stacking would merge."""
+        if self.config.weights.strategy == "tensor":
+            return [[name] for name in work.linears]
+        groups: dict[str, list[str]] = {}
+        for name in work.linears:
+            groups.setdefault(self.owner[name], []).append(name)
+        return list(groups.values())
+
     def process(self, work: LayerWork) -> dict[str, QuantizedWeight]:
         results = {}
-        for name, linear in work.linears.items():
+        for names in self.input_groups(work):
+            stacked = torch.cat([work.linears[name].weight.data for name in names])
             quantized = gptq_quantize(
-                linear.weight.data, self.hessian(name), self.config.weights, self.config.block_size,
-                self.config.dampening_frac, self.scale_dtype, name,
+                stacked, self.hessian(names[0]), self.config.weights, self.config.block_size,
+                self.config.dampening_frac, self.scale_dtype, "+".join(names),
             )
-            linear.weight.data = quantized.dequantize().to(linear.weight.dtype)
-            results[name] = quantized
+            start = 0
+            for name in names:
+                linear = work.linears[name]
+                part = quantized.rows(start, start + linear.out_features)
+                linear.weight.data = part.dequantize().to(linear.weight.dtype)
+                results[name] = part
+                start += linear.out_features
         self._reset()
         return results

@@ -57,6 +57,13 @@ class QuantizedWeight:
     args: QuantArgs
     g_idx: torch.Tensor | None = None  # int32 [in]: the group of each input column, when actorder is "group"
 
+    def rows(self, start: int, end: int) -> "QuantizedWeight":
+        """Output rows start:end, e.g. one Linear's share of weights quantized stacked (not for per-tensor scales)."""
+        g_idx = None if self.g_idx is None else self.g_idx.clone()  # own storage: safetensors refuses shared tensors
+        return QuantizedWeight(
+            self.codes[start:end].clone(), self.scale[start:end].clone(), self.zero_point[start:end].clone(), self.args, g_idx
+        )
+
     def dequantize(self) -> torch.Tensor:
         if self.g_idx is not None:
             return dequantize_columns(self.codes, self.scale[:, self.g_idx], self.zero_point[:, self.g_idx])
