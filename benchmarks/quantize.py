@@ -174,7 +174,9 @@ def memory_figure(args) -> dict[int, float]:
                                  num_key_value_heads=args.hidden // 256, tie_word_embeddings=True)
             LlamaForCausalLM(config).save_pretrained(model)
             AutoTokenizer.from_pretrained(resolve_model("smollm2-135m")).save_pretrained(model)
-            _, _, _, peaks[layers] = llmc_quantize(Path(tmp), f"memory {layers}", LLMC["GPTQ"], str(model), calibration, 32, 512)
+            _, _, _, peaks[layers] = llmc_quantize(
+                Path(tmp), f"memory {layers}", LLMC["GPTQ"], str(model), calibration, args.samples, args.seq_len
+            )
     return peaks
 
 
