@@ -1,4 +1,5 @@
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -168,3 +169,17 @@ def test_stacking_linears_that_share_a_hessian_changes_nothing():
     for part, weight in ((stacked.rows(0, 16), first), (stacked.rows(16, 24), second)):
         alone = gptq_quantize(weight, hessian, args)
         assert torch.equal(part.codes, alone.codes) and torch.equal(part.scale, alone.scale)
+
+
+def test_act_order_without_a_hessian_is_refused(tmp_path, tiny_llama):
+    stage = "  - type: rtn\n    scheme: W4A16\n    weights: {group_size: 32, actorder: static}\n"
+    with pytest.raises(LlmcError, match="stages.0: weights.actorder needs a Hessian; use type: gptq"):
+        load_recipe(write_recipe(tmp_path / "r.yaml", tiny_llama, tmp_path / "out", stage))
+    with pytest.raises(LlmcError, match="stages.0 \\(gptq\\) needs a calibration section"):
+        load_recipe(write_recipe(tmp_path / "r.yaml", tiny_llama, tmp_path / "out", GPTQ_STAGE.format(extra="")))
+
+
+@pytest.mark.parametrize("name", ["smollm2-w4a16-gptq", "smollm2-w4a16-awq", "smollm2-w4a16-awq-gptq"])
+def test_shipped_recipes_are_valid(name):
+    recipe = load_recipe(Path(__file__).resolve().parents[1] / "recipes" / f"{name}.yaml")
+    assert all(stage.weights.group_size in (None, 64) for stage in recipe.stages if hasattr(stage, "weights"))
