@@ -1,10 +1,10 @@
 """W4A16 (group 64) methods on SmolLM2-135M-Instruct, side by side: perplexity on WikiText-2 (first N windows of
 1,024 tokens), its increase over fp32, quantization wall and CPU time (process start to artifact written, model
-loading included; CPU time is the fairer figure on a shared machine) and the quantizing process's peak RSS. Calibration: Spec-Bench's non-MT-bench prompts, the same token
-windows for every method. Where `llmcompressor` is installed its GPTQ and AWQ run on the same model, samples and
-windows. `--memory` instead repeats the foundation's depth figure with GPTQ: random Llamas of equal width, 8 and 32 layers.
+loading included; CPU time is the fairer figure on a shared machine) and the quantizing process's peak RSS.
+Calibration: Spec-Bench's non-MT-bench prompts, the same token windows for every method. Where `llmcompressor`
+is installed its GPTQ and AWQ run on the same model, samples and windows. The depth figure with GPTQ (8 vs 32 layers): `python benchmarks/layerwise_memory.py --stage gptq`.
 
-    python benchmarks/quantize.py [--samples 128] [--seq-len 512] [--windows 40] [--only GPTQ "AWQ clip" ...] [--memory]
+    python benchmarks/quantize.py [--samples 128] [--seq-len 512] [--windows 40] [--only GPTQ "AWQ clip" ...]
 """
 import argparse
 import json
@@ -158,28 +158,6 @@ def quality_table(args) -> list[dict]:
     return rows
 
 
-def memory_figure(args) -> dict[int, float]:
-    """Peak RSS of `llmc quantize` with GPTQ on random Llamas of one width and 8 or 32 layers."""
-    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
-
-    from llmc.models.spec import resolve_model
-
-    peaks = {}
-    with tempfile.TemporaryDirectory() as tmp:
-        calibration = spec_bench_calibration(Path(tmp))
-        for layers in (8, 32):
-            model = Path(tmp) / f"llama-{layers}"
-            config = LlamaConfig(vocab_size=49152, hidden_size=args.hidden, intermediate_size=args.hidden * 11 // 4,
-                                 num_hidden_layers=layers, num_attention_heads=args.hidden // 64,
-                                 num_key_value_heads=args.hidden // 256, tie_word_embeddings=True)
-            LlamaForCausalLM(config).save_pretrained(model)
-            AutoTokenizer.from_pretrained(resolve_model("smollm2-135m")).save_pretrained(model)
-            _, _, _, peaks[layers] = llmc_quantize(
-                Path(tmp), f"memory {layers}", LLMC["GPTQ"], str(model), calibration, args.samples, args.seq_len
-            )
-    return peaks
-
-
 def main() -> None:
     if sys.argv[1:2] == ["--worker"]:
         model, method, symmetric, ids_file, output = sys.argv[2:]
@@ -190,14 +168,7 @@ def main() -> None:
     parser.add_argument("--seq-len", type=int, default=512)
     parser.add_argument("--windows", type=int, default=40)
     parser.add_argument("--only", nargs="*", choices=[*LLMC, *LLMCOMPRESSOR], help="these methods, in this order")
-    parser.add_argument("--memory", action="store_true", help="only the 8- vs 32-layer peak RSS figure, with GPTQ")
-    parser.add_argument("--hidden", type=int, default=1024, help="width of the random Llamas for --memory")
     args = parser.parse_args()
-    if args.memory:
-        peaks = memory_figure(args)
-        print(f"GPTQ peak RSS: 8 layers {peaks[8]:.0f} MiB, 32 layers {peaks[32]:.0f} MiB, "
-              f"ratio {peaks[32] / peaks[8]:.2f} (goal <= 1.25)")
-        return
     rows = quality_table(args)
     base = rows[0]["perplexity"]
     print(f"\nW4A16 g64, calibration {args.samples} x {args.seq_len} Spec-Bench tokens, WikiText-2 {args.windows} x 1024")

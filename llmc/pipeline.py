@@ -73,7 +73,8 @@ def run_quantize(recipe: Recipe, overwrite: bool = False) -> Path:
         writer = ShardWriter(staging, num_layers + 1, dtype, exporter.tensors)
         started = time.perf_counter()
         reports = quantize_layerwise(reader, skeleton, config, family, stages, calibration, writer.write_layer)
-        rest = {name: reader.tensor(name).to(dtype) for name in reader.file_of if not name.startswith(f"{family.layers}.")}
+        rest = reader.tensors([name for name in reader.file_of if not name.startswith(f"{family.layers}.")])
+        rest = {name: tensor.to(dtype) for name, tensor in rest.items()}
         writer.write(rest)
         writer.write_index()
         timings["quantize_s"] = time.perf_counter() - started

@@ -3,6 +3,8 @@ are read from the checkpoint's safetensors when its turn comes and released afte
 plus the calibration activations whatever the depth. With calibration data each layer's inputs are the previous
 layer's outputs computed with quantized weights, stages that need data see the inputs of the modules they
 observe, and each layer's output error is measured."""
+import ctypes
+import ctypes.util
 import time
 from dataclasses import dataclass
 from typing import Callable
@@ -19,6 +21,14 @@ from llmc.quant.qtypes import QuantizedWeight
 from llmc.quant.stages import assign_linears, formats_of
 
 EmitLayer = Callable[[str, nn.Module, dict[str, QuantizedWeight]], None]
+
+
+def return_freed_memory() -> None:
+    """Hand freed heap pages back to the OS; without it glibc keeps each released layer's pages and peak
+    memory grows with depth."""
+    libc_name = ctypes.util.find_library("c")
+    if libc_name and hasattr(ctypes.CDLL(libc_name), "malloc_trim"):
+        ctypes.CDLL(libc_name).malloc_trim(0)
 
 
 @dataclass
@@ -96,5 +106,6 @@ def quantize_layerwise(
             error = float(((hidden - reference) ** 2).sum() / (reference**2).sum().clamp_min(1e-30))
         emit(prefix, layer, quantized)
         layer.to("meta")
+        return_freed_memory()
         reports.append(LayerReport(index, time.perf_counter() - started, len(quantized), error))
     return reports

@@ -1,5 +1,5 @@
-"""Tensor-by-tensor access to a folder of safetensors files, so that one layer can be read at a time."""
-import json
+"""Tensor-by-tensor access to a folder of safetensors files, so that one layer can be read at a time.
+Files are opened per read: a long-lived memory map would keep every page read so far resident."""
 from pathlib import Path
 
 import torch
@@ -15,24 +15,28 @@ class CheckpointReader:
         files = sorted(folder.glob("*.safetensors"))
         if not files:
             raise LlmcError(f"{folder} has no .safetensors files (llmc does not load pickle checkpoints)")
-        self._handles = {file: safe_open(str(file), framework="pt") for file in files}
-        for file, handle in self._handles.items():
-            for name in handle.keys():
-                self.file_of[name] = file
+        for file in files:
+            with safe_open(str(file), framework="pt") as handle:
+                self.file_of |= dict.fromkeys(handle.keys(), file)
 
     def __contains__(self, name: str) -> bool:
         return name in self.file_of
 
     def tensor(self, name: str) -> torch.Tensor:
-        if name not in self.file_of:
-            raise LlmcError(f"checkpoint {self.folder} has no tensor {name!r}")
-        return self._handles[self.file_of[name]].get_tensor(name)
+        return self.tensors([name])[name]
+
+    def tensors(self, names: list[str]) -> dict[str, torch.Tensor]:
+        missing = [name for name in names if name not in self.file_of]
+        if missing:
+            raise LlmcError(f"checkpoint {self.folder} has no tensor {missing[0]!r}")
+        result = {}
+        for file in {self.file_of[name] for name in names}:
+            with safe_open(str(file), framework="pt") as handle:
+                result |= {name: handle.get_tensor(name).clone() for name in names if self.file_of[name] == file}
+        return result
 
     def state_dict(self, prefix: str) -> dict[str, torch.Tensor]:
         """All tensors under `prefix.`, keyed by their name inside that module."""
         start = prefix + "."
-        return {name[len(start) :]: self.tensor(name) for name in self.file_of if name.startswith(start)}
-
-    def metadata(self) -> dict:
-        index = self.folder / "model.safetensors.index.json"
-        return json.loads(index.read_text()).get("metadata", {}) if index.is_file() else {}
+        names = [name for name in self.file_of if name.startswith(start)]
+        return {name[len(start) :]: tensor for name, tensor in self.tensors(names).items()}

