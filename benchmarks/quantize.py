@@ -8,7 +8,6 @@ is installed its GPTQ and AWQ run on the same model, samples and windows. The de
 """
 import argparse
 import json
-import os
 import subprocess
 import sys
 import tempfile
@@ -53,15 +52,23 @@ def spec_bench_calibration(folder: Path) -> Path:
     return path
 
 
+# Linux counts the memory a child was forked with in its peak RSS, so a child of this (model-holding) process
+# would report at least our own size: start each command from a small fresh wrapper and read its children's usage
+WRAPPER = (
+    "import json, resource, subprocess, sys; subprocess.run(sys.argv[1:], check=True, stdout=subprocess.DEVNULL); "
+    "usage = resource.getrusage(resource.RUSAGE_CHILDREN); print(json.dumps([usage.ru_utime + usage.ru_stime, usage.ru_maxrss]))"
+)
+
+
 def run_measured(command: list[str]) -> tuple[float, float, float]:
-    """Wall seconds, CPU seconds and peak RSS (MiB) of one child process."""
+    """Wall seconds, CPU seconds and peak RSS (MiB) of one command."""
     started = time.perf_counter()
-    process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    _, status, usage = os.wait4(process.pid, 0)
+    run = subprocess.run([sys.executable, "-c", WRAPPER, *command], capture_output=True, text=True)
     seconds = time.perf_counter() - started
-    if status != 0:
-        raise RuntimeError(f"{' '.join(command)} failed:\n{process.stderr.read().decode()[-3000:]}")
-    return seconds, usage.ru_utime + usage.ru_stime, usage.ru_maxrss / 1024
+    if run.returncode != 0:
+        raise RuntimeError(f"{' '.join(command)} failed:\n{run.stderr[-3000:]}")
+    cpu, peak_kib = json.loads(run.stdout.strip().splitlines()[-1])
+    return seconds, cpu, peak_kib / 1024
 
 
 def llmc_quantize(folder: Path, name: str, stages: str, model: str, calibration: Path, samples: int, seq_len: int):
@@ -132,6 +139,7 @@ def quality_table(args) -> list[dict]:
 
     text = (DATA / "wikitext-2-raw" / "wiki.test.raw").read_text()
     rows = [{"method": "fp32", "perplexity": perplexity_of(args.model, text, args.windows), "seconds": None, "cpu": None, "rss": None}]
+    print(json.dumps(rows[0]), flush=True)
     with tempfile.TemporaryDirectory() as tmp:
         folder = Path(tmp)
         calibration = spec_bench_calibration(folder)
