@@ -37,28 +37,53 @@ def quantize(recipe: Path, output: str | None, overrides: tuple[str, ...], overw
 @click.option("--perplexity", "perplexity_data", metavar="FILE|NAME", help="Text file, or `wikitext2` (hub).")
 @click.option("--seq-len", default=1024, show_default=True, type=click.IntRange(min=2))
 @click.option("--max-windows", default=40, show_default=True, type=click.IntRange(min=1))
-@click.option("--json", "as_json", is_flag=True, help="Print results as JSON.")
-def evaluate(targets: tuple[str, ...], perplexity_data: str | None, seq_len: int, max_windows: int, as_json: bool) -> None:
+@click.option("--business", metavar="FILE", help="Business eval set (JSONL).")
+@click.option("--tasks", metavar="NAMES", help="lm-eval tasks, comma-separated: names or task YAML files.")
+@click.option("--limit", type=click.IntRange(min=1), help="Only the first N business items and task documents.")
+@click.option("--gate", "gate", multiple=True, metavar="KEY=VALUE",
+              help="Threshold, e.g. min_recovery=0.95, max_perplexity_increase=0.05, max_kl=0.1, min_agreement=0.8.")
+@click.option("--out", type=click.Path(path_type=Path), help="Write report.json, report.md and PNG charts here.")
+@click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
+def evaluate(targets: tuple[str, ...], perplexity_data: str | None, seq_len: int, max_windows: int, business: str | None,
+             tasks: str | None, limit: int | None, gate: tuple[str, ...], out: Path | None, as_json: bool) -> None:
     """Evaluate TARGETS (model specs or artifacts) side by side; the first is the baseline."""
-    from llmc.evals.perplexity import load_eval_text, perplexity
-    from llmc.models.loading import load_model
+    from llmc.evals.gate import GateFailed
+    from llmc.evals.report import SUMMARY_COLUMNS, summary_rows, write_report
+    from llmc.evals.suite import EvalTarget, evaluate_side_by_side
+    from llmc.recipe import eval_config
 
-    if perplexity_data is None:
-        raise LlmcError("nothing to evaluate: pass --perplexity FILE|wikitext2")
-    text = load_eval_text(perplexity_data)
-    results = []
-    for target in targets:
-        loaded = load_model(target)
-        result = perplexity(loaded.model, loaded.tokenizer, text, perplexity_data, seq_len, max_windows, label=target)
-        results.append({"target": target} | result.to_dict())
+    if not (perplexity_data or business or tasks):
+        raise LlmcError("nothing to evaluate: pass --perplexity FILE|wikitext2, --business FILE or --tasks NAMES")
+    if gate and len(targets) < 2:
+        raise LlmcError("--gate compares targets with the first one: give at least two targets")
+    config = eval_config({
+        "perplexity": {"dataset": perplexity_data, "seq_len": seq_len, "max_windows": max_windows} if perplexity_data else None,
+        "business": {"dataset": business, "limit": limit} if business else None,
+        "tasks": {"names": [name.strip() for name in tasks.split(",") if name.strip()], "limit": limit} if tasks else None,
+        "gate": dict(_threshold(item) for item in gate) or None,
+    }, source="llmc eval options")
+    labels = [target if target not in targets[:index] else f"{target}#{index + 1}" for index, target in enumerate(targets)]
+    report = evaluate_side_by_side([EvalTarget(label, target) for label, target in zip(labels, targets)], config)
+    if out is not None:
+        write_report(report, out)
     if as_json:
-        click.echo(json.dumps(results[0] if len(results) == 1 else results, indent=2))
-        return
-    table = Table("target", "perplexity", "vs first", "tokens", title=f"perplexity on {perplexity_data}")
-    for result in results:
-        delta = result["perplexity"] / results[0]["perplexity"] - 1
-        table.add_row(result["target"], f"{result['perplexity']:.3f}", f"{delta:+.2%}", str(result["tokens"]))
-    console.print(table)
+        click.echo(json.dumps(report, indent=2))
+    else:
+        table = Table(*SUMMARY_COLUMNS, title=f"baseline: {targets[0]}")
+        for row in summary_rows(report):
+            table.add_row(*row)
+        console.print(table)
+        if out is not None:
+            console.print(f"report: {out / 'report.md'}")
+    if "gate" in report and not report["gate"]["passed"]:
+        raise GateFailed("gate failed:\n  " + "\n  ".join(report["gate"]["failures"]))
+
+
+def _threshold(assignment: str) -> tuple[str, str]:
+    key, separator, value = assignment.partition("=")
+    if not separator:
+        raise LlmcError(f"--gate expects KEY=VALUE (e.g. min_recovery=0.95), got {assignment!r}")
+    return key.strip(), value.strip()
 
 
 @cli.command()
@@ -73,6 +98,133 @@ def inspect(artifact: Path, as_json: bool) -> None:
         click.echo(json.dumps(info, indent=2))
     else:
         print_artifact(info, console)
+
+
+def engine_options(command):
+    """Options shared by every command that builds an in-process engine."""
+    options = [
+        click.option("--dtype", type=click.Choice(["bfloat16", "float32"]), default="bfloat16", show_default=True,
+                     help="bfloat16 runs int4 weights on torch's int4 kernel; float32 is the exact reference path."),
+        click.option("--kv-cache-gib", type=click.FloatRange(min=0.001), default=1.0, show_default=True),
+        click.option("--max-num-seqs", type=click.IntRange(min=1), default=64, show_default=True),
+        click.option("--max-num-batched-tokens", type=click.IntRange(min=1), default=512, show_default=True),
+        click.option("--max-model-len", type=click.IntRange(min=2)),
+        click.option("--no-prefix-caching", is_flag=True),
+    ]
+    for option in reversed(options):
+        command = option(command)
+    return command
+
+
+def require_serve_extra() -> None:
+    try:
+        import fastapi, httpx, prometheus_client, uvicorn  # noqa: F401
+    except ImportError as error:
+        raise LlmcError(f"{error.name} is not installed: pip install 'llmc-toolchain[serve]'") from None
+
+
+def build_engine(model: str, dtype: str, kv_cache_gib: float, max_num_seqs: int, max_num_batched_tokens: int,
+                 max_model_len: int | None, no_prefix_caching: bool):
+    import torch
+
+    from llmc.runtime.config import EngineConfig
+    from llmc.runtime.engine import LLMEngine
+
+    config = EngineConfig(
+        dtype=getattr(torch, dtype), kv_cache_gib=kv_cache_gib, max_num_seqs=max_num_seqs,
+        max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len, enable_prefix_caching=not no_prefix_caching,
+    )
+    return LLMEngine(model, config)
+
+
+@cli.command()
+@click.argument("artifact")
+@click.option("--host", default="127.0.0.1", show_default=True)
+@click.option("--port", type=int, default=8000, show_default=True)
+@click.option("--api-key", envvar="LLMC_API_KEY", help="Require `Authorization: Bearer KEY` on /v1 (or set LLMC_API_KEY).")
+@click.option("--served-model-name", help="The model name clients send (default: ARTIFACT as given).")
+@click.option("--max-waiting", type=click.IntRange(min=0), default=128, show_default=True,
+              help="Requests queued beyond --max-num-seqs before the server answers 503.")
+@engine_options
+def serve(artifact: str, host: str, port: int, api_key: str | None, served_model_name: str | None, max_waiting: int, **engine_kwargs) -> None:
+    """Serve ARTIFACT (or any model spec) over an OpenAI-compatible HTTP API."""
+    require_serve_extra()
+    from llmc.runtime.async_engine import AsyncLLMEngine
+    from llmc.runtime.server import serve as run_server
+
+    engine = AsyncLLMEngine(build_engine(artifact, **engine_kwargs), max_waiting)
+    run_server(engine, served_model_name or artifact, host, port, api_key)
+
+
+@cli.command()
+@click.argument("model")
+@click.option("--dataset", type=click.Path(path_type=Path), required=True, help="JSONL prompts (MT-bench `turns`, or `prompt`/`text`).")
+@click.option("--url", help="Benchmark a running server (e.g. http://127.0.0.1:8000) instead of an in-process engine.")
+@click.option("--api-key", envvar="LLMC_API_KEY")
+@click.option("--num-prompts", type=click.IntRange(min=1), default=64, show_default=True)
+@click.option("--max-tokens", type=click.IntRange(min=1), default=128, show_default=True)
+@click.option("--concurrency", type=click.IntRange(min=1), default=16, show_default=True, help="Requests in flight at once.")
+@click.option("--request-rate", type=click.FloatRange(min=0, min_open=True), help="Poisson arrivals (req/s) instead of fixed concurrency.")
+@click.option("--cancel-fraction", type=click.FloatRange(0, 1), default=0.0, show_default=True, help="Share of requests cancelled mid-stream.")
+@click.option("--shared-prefix-tokens", type=click.IntRange(min=0), default=0, show_default=True, help="Same system prompt of this many tokens before every prompt.")
+@click.option("--chat-template/--raw", default=True, show_default=True, help="Wrap prompts in the model's chat template.")
+@click.option("--baseline", type=click.Choice(["hf"]), help="Also run transformers generate (float32, one request at a time).")
+@click.option("--baseline-num-prompts", type=click.IntRange(min=1), help="Run the baseline on the first N prompts only.")
+@click.option("--seed", type=int, default=0, show_default=True)
+@click.option("--json", "json_path", type=click.Path(path_type=Path), help="Write the results here as JSON.")
+@engine_options
+def bench(model: str, dataset: Path, url: str | None, api_key: str | None, num_prompts: int, max_tokens: int, concurrency: int,
+          request_rate: float | None, cancel_fraction: float, shared_prefix_tokens: int, chat_template: bool,
+          baseline: str | None, baseline_num_prompts: int | None, seed: int, json_path: Path | None, **engine_kwargs) -> None:
+    """Load-test MODEL (artifact or model spec) in process, or the server at --url that serves it."""
+    require_serve_extra()
+    import asyncio
+
+    from transformers import AutoTokenizer
+
+    from llmc.models.spec import resolve_model
+    from llmc.runtime import bench as runtime_bench
+    from llmc.runtime.async_engine import AsyncLLMEngine
+
+    tokenizer = AutoTokenizer.from_pretrained(resolve_model(model))
+    prompts = runtime_bench.load_prompts(dataset, num_prompts, tokenizer, chat_template, shared_prefix_tokens)
+    load = dict(max_tokens=max_tokens, concurrency=None if request_rate else concurrency, request_rate=request_rate,
+                cancel_fraction=cancel_fraction, seed=seed)
+    if url:
+        prompt_tokens = [len(tokenizer.encode(prompt, add_special_tokens=False)) for prompt in prompts]
+        results = {"llmc": asyncio.run(runtime_bench.bench_url(url.rstrip("/"), model, api_key, prompts, prompt_tokens, **load))}
+    else:
+        engine = AsyncLLMEngine(build_engine(model, **engine_kwargs), max_waiting=num_prompts)
+        results = {"llmc": asyncio.run(runtime_bench.bench_engine(engine, prompts, **load))}
+    if baseline:
+        results["hf"] = runtime_bench.hf_baseline(model, prompts[:baseline_num_prompts], max_tokens)
+        results["speedup"] = {
+            "output_throughput": results["llmc"]["output_throughput"] / results["hf"]["output_throughput"],
+            "tpot_p50": results["hf"]["tpot"]["p50_ms"] / results["llmc"]["tpot"]["p50_ms"],
+        }
+    results["settings"] = {"model": model, "dataset": str(dataset), "num_prompts": num_prompts, "url": url} | load | engine_kwargs
+    print_bench(results)
+    if json_path:
+        json_path.write_text(json.dumps(results, indent=2))
+
+
+def print_bench(results: dict) -> None:
+    runs = [name for name in ("llmc", "hf") if name in results]
+    table = Table("metric", *runs, title="llmc bench")
+    rows = [("completed / cancelled", lambda r: f"{r['completed']} / {r['cancelled']}"),
+            ("output tokens/s", lambda r: f"{r['output_throughput']:.1f}"),
+            ("requests/s", lambda r: f"{r['request_throughput']:.3f}")]
+    for metric in ("ttft", "tpot", "itl", "e2el"):
+        for p in (50, 90, 99):
+            rows.append((f"{metric.upper()} p{p} (ms)", lambda r, m=metric, p=p: f"{r[m].get(f'p{p}_ms', float('nan')):.1f}"))
+    for label, cell in rows:
+        table.add_row(label, *(cell(results[name]) for name in runs))
+    console.print(table)
+    extras = {k: v for k, v in results["llmc"].items() if k.startswith(("kv_", "leaked", "preempt", "ttft_first", "ttft_later"))}
+    console.print(extras)
+    if "speedup" in results:
+        console.print(f"llmc / hf: output throughput x{results['speedup']['output_throughput']:.2f}, "
+                      f"TPOT p50 x{results['speedup']['tpot_p50']:.2f}")
 
 
 def main() -> None:

@@ -16,10 +16,11 @@ from llmc.artifact.writer import ShardWriter, staged_folder, write_manifest
 from llmc.calib.data import load_calibration
 from llmc.calib.driver import build_skeleton, decoder_layers, layer_linears, quantize_layerwise
 from llmc.errors import LlmcError
-from llmc.evals.perplexity import load_eval_text, perplexity
+from llmc.evals.gate import GateFailed
+from llmc.evals.report import summary, write_report
+from llmc.evals.suite import EvalTarget, evaluate_side_by_side
 from llmc.models.checkpoint import CheckpointReader
 from llmc.models.families import family_for
-from llmc.models.loading import load_model
 from llmc.models.spec import resolve_model
 from llmc.quant.qtypes import QuantArgs
 from llmc.quant.stages import assign_linears, build_stages, check_group_sizes, formats_of
@@ -86,7 +87,7 @@ def run_quantize(recipe: Recipe, overwrite: bool = False) -> Path:
         tokenizer.save_pretrained(staging)
         (staging / "recipe.yaml").write_text(recipe.to_yaml())
         started = time.perf_counter()
-        evals = run_recipe_evals(recipe, staging)
+        evals = run_recipe_evals(recipe, staging, output)
         timings["eval_s"] = time.perf_counter() - started
         write_manifest(staging, {
             "llmc_version": llmc.__version__,
@@ -118,17 +119,19 @@ def _write_config(source: Path, staging: Path, quantization: dict, dtype: torch.
         (staging / "generation_config.json").write_text(generation.read_text())
 
 
-def run_recipe_evals(recipe: Recipe, artifact: Path) -> dict:
-    settings = recipe.eval.perplexity
-    if settings is None:
+def run_recipe_evals(recipe: Recipe, staging: Path, output: Path) -> dict:
+    """The recipe's evals on the staged artifact (and the baseline): the report goes into the artifact's
+    `report/`; when the gate fails it goes beside the output path instead and nothing is written."""
+    settings = recipe.eval
+    if not (settings.perplexity or settings.business or settings.tasks):
         return {}
-    text = load_eval_text(settings.dataset)
-    targets = {"artifact": str(artifact)} | ({"baseline": recipe.model} if recipe.eval.baseline else {})
-    results = {}
-    for role, target in targets.items():
-        loaded = load_model(target)
-        results[role] = perplexity(
-            loaded.model, loaded.tokenizer, text, settings.dataset, settings.seq_len, settings.max_windows,
-            label=f"perplexity ({role})",
-        ).to_dict()
-    return {"perplexity": results}
+    targets = [EvalTarget("baseline", recipe.model)] if settings.baseline else []
+    report = evaluate_side_by_side([*targets, EvalTarget("artifact", str(staging))], settings)
+    report["targets"]["artifact"]["target"] = str(output)
+    gate = report.get("gate")
+    if gate is not None and not gate["passed"]:
+        beside = write_report(report, output.with_name(f"{output.name}.gate-report"))
+        raise GateFailed(f"gate failed, no artifact written to {output}:\n  " + "\n  ".join(gate["failures"])
+                         + f"\nreport: {beside / 'report.md'}")
+    write_report(report, staging / "report")
+    return summary(report)

@@ -84,9 +84,49 @@ class PerplexityEval(StrictModel):
     max_windows: int | None = Field(40, gt=0)
 
 
+class BusinessEval(StrictModel):
+    dataset: str
+    limit: int | None = Field(None, gt=0)
+
+
+class LmEvalTasks(StrictModel):
+    names: list[str] = Field(min_length=1)
+    limit: float | None = Field(None, gt=0)
+
+
+class GateConfig(StrictModel):
+    """Thresholds every quantized target must hold against the baseline."""
+
+    min_recovery: float | None = Field(None, gt=0)
+    max_perplexity_increase: float | None = Field(None, ge=0)
+    max_kl: float | None = Field(None, ge=0)
+    min_agreement: float | None = Field(None, ge=0, le=1)
+
+
 class EvalConfig(StrictModel):
     perplexity: PerplexityEval | None = None
+    business: BusinessEval | None = None
+    tasks: LmEvalTasks | None = None
+    gate: GateConfig | None = None
     baseline: bool = True
+
+    @model_validator(mode="after")
+    def _gate_has_its_metrics(self) -> "EvalConfig":
+        gate = self.gate
+        if gate is None:
+            return self
+        if not self.baseline:
+            raise ValueError("gate: compares against the baseline, so it needs baseline: true")
+        requirements = {
+            "min_recovery": (self.business or self.tasks, "eval.business or eval.tasks"),
+            "max_perplexity_increase": (self.perplexity, "eval.perplexity"),
+            "max_kl": (self.business, "eval.business"),
+            "min_agreement": (self.business, "eval.business"),
+        }
+        for threshold, (measured, source) in requirements.items():
+            if getattr(gate, threshold) is not None and not measured:
+                raise ValueError(f"gate.{threshold}: needs {source} to be measured")
+        return self
 
 
 class ExportConfig(StrictModel):
@@ -167,6 +207,16 @@ def load_recipe(path: Path, overrides: list[str] = (), output: str | None = None
         return Recipe.model_validate(data)
     except ValidationError as error:
         raise LlmcError(_describe(error, path, root, overridden)) from None
+
+
+def eval_config(data: dict, source: str) -> EvalConfig:
+    """An eval section built from command-line options, validated like a recipe's."""
+    try:
+        return EvalConfig.model_validate({key: value for key, value in data.items() if value is not None})
+    except ValidationError as error:
+        problems = [f"  {'.'.join(str(p) for p in item['loc']) or 'eval'}: {item['msg'].removeprefix('Value error, ')}"
+                    for item in error.errors()]
+        raise LlmcError(f"invalid {source}:\n" + "\n".join(problems)) from None
 
 
 def _apply_override(data: dict, assignment: str) -> tuple:

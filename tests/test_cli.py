@@ -23,17 +23,18 @@ def test_quantize_inspect_eval(tmp_path, tiny_llama, calib_file, eval_file):
     info = json.loads(llmc("inspect", str(output), "--json").stdout)
     manifest = info["manifest"]
     assert manifest["calibration"]["num_samples"] == 2
-    assert set(manifest["eval"]["perplexity"]) == {"artifact", "baseline"}
+    assert set(manifest["eval"]["targets"]) == {"artifact", "baseline"} and manifest["eval"]["baseline"] == "baseline"
+    assert (output / "report" / "perplexity.png").is_file()
     assert info["config_groups"]["group_0"]["group_size"] == 32
     assert "int4" not in llmc("inspect", str(output)).stderr
     assert "group_0" in llmc("inspect", str(output)).stdout
 
     single = llmc("eval", str(output), "--perplexity", str(eval_file), "--seq-len", "32", "--max-windows", "2", "--json")
     assert single.returncode == 0, single.stderr
-    result = json.loads(single.stdout)
-    assert result["tokens"] == 62 and result["perplexity"] == manifest["eval"]["perplexity"]["artifact"]["perplexity"]
-    table = llmc("eval", str(tiny_llama), str(output), "--perplexity", str(eval_file), "--seq-len", "32", "--max-windows", "2")
-    assert table.returncode == 0 and "vs first" in table.stdout and "+0.00%" in table.stdout
+    result = json.loads(single.stdout)["targets"][str(output)]["perplexity"]
+    assert result["tokens"] == 62 and result["perplexity"] == manifest["eval"]["targets"]["artifact"]["perplexity"]["perplexity"]
+    table = llmc("eval", str(tiny_llama), str(tiny_llama), "--perplexity", str(eval_file), "--seq-len", "32", "--max-windows", "2")
+    assert table.returncode == 0 and "+0.00%" in table.stdout and "100.0%" not in table.stdout
 
 
 def test_bad_recipe_exits_nonzero_without_traceback_or_output(tmp_path, tiny_llama):
@@ -50,5 +51,9 @@ def test_user_mistakes_are_one_line_errors(tmp_path):
     assert missing.returncode == 2 and "Traceback" not in missing.stderr
     nothing = llmc("eval", "smollm2-135m")
     assert nothing.returncode == 2 and "nothing to evaluate" in nothing.stderr
+    bad_set = tmp_path / "set.jsonl"
+    bad_set.write_text('{"prompt": "hi", "reference": "x", "metric": "exact"}\n{"prompt": "hi"}\n')
+    malformed = llmc("eval", "smollm2-135m", "--business", str(bad_set))
+    assert malformed.returncode == 2 and "set.jsonl line 2: metric" in malformed.stderr and "Traceback" not in malformed.stderr
     not_artifact = llmc("inspect", str(tmp_path))
     assert not_artifact.returncode == 2 and "not an llmc artifact" in not_artifact.stderr

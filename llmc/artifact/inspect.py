@@ -7,6 +7,7 @@ from rich.table import Table
 
 from llmc.artifact.writer import MANIFEST
 from llmc.errors import LlmcError
+from llmc.evals.report import SUMMARY_COLUMNS, summary_rows
 
 
 def describe_artifact(folder: Path) -> dict:
@@ -43,7 +44,13 @@ def print_artifact(info: dict, console: Console) -> None:
     calibration = manifest.get("calibration")
     console.print("calibration: " + (f"{calibration['num_samples']} x {calibration['seq_len']} tokens of "
                                       f"{calibration['dataset']} (sha256 {calibration['sha256'][:12]})" if calibration else "none"))
-    for name, result in manifest.get("eval", {}).get("perplexity", {}).items():
-        console.print(f"perplexity ({name}): {result['perplexity']:.3f} on {result['dataset']}, {result['windows']} x {result['seq_len']}")
+    evals = manifest.get("eval") or {}
+    if evals:
+        table = Table(*SUMMARY_COLUMNS, title=f"evals (baseline: {evals['baseline']})")
+        for row in summary_rows(evals):
+            table.add_row(*row)
+        console.print(table)
+    if "gate" in evals:
+        console.print(f"gate {evals['gate']['thresholds']}: {'passed' if evals['gate']['passed'] else 'FAILED'}")
     console.print("timings: " + ", ".join(f"{key} {value:.1f}" for key, value in manifest["timings"].items()))
     console.print(f"files: {len(manifest['files'])} with SHA-256 in llmc.json")

@@ -57,7 +57,7 @@ def layout_of(quantization: dict) -> Layout:
     groups = weight_args_from_config(quantization)
 
     def read(reader: CheckpointReader, name: str) -> QuantizedWeight:
-        return read_quantized_weight(reader, name, next(args for targets, args in groups if _targets_module(name, targets)))
+        return read_quantized_weight(reader, name, quant_args_of(name, groups))
 
     return Layout(PACKED_SUFFIX, ("weight_scale", "weight_shape", "weight_zero_point"), read)
 
@@ -76,5 +76,5 @@ def dense_state_dict(folder: Path, dtype: torch.dtype) -> dict[str, torch.Tensor
     return state
 
 
-def _targets_module(name: str, targets: list[str]) -> bool:
-    return "Linear" in targets or matches(name, torch.nn.Identity(), targets)
+def quant_args_of(module: str, groups: list[tuple[list[str], QuantArgs]]) -> QuantArgs:
+    return next(args for targets, args in groups if "Linear" in targets or matches(module, torch.nn.Identity(), targets))

@@ -1,0 +1,55 @@
+"""The quality gate: every quantized target must hold every threshold against the baseline."""
+from dataclasses import asdict, dataclass
+
+from llmc.errors import LlmcError
+from llmc.recipe import GateConfig
+
+
+class GateFailed(LlmcError):
+    exit_code = 3
+
+
+@dataclass
+class GateResult:
+    thresholds: dict[str, float]
+    passed: bool
+    failures: list[str]
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def check_gate(report: dict, gate: GateConfig) -> GateResult:
+    failures = [
+        f"{label}: {failure}"
+        for label, result in report["targets"].items()
+        if label != report["baseline"]
+        for failure in _failures(result["vs_baseline"], gate)
+    ]
+    return GateResult(gate.model_dump(exclude_none=True), not failures, failures)
+
+
+def _failures(comparison: dict, gate: GateConfig) -> list[str]:
+    found = []
+    if gate.min_recovery is not None:
+        recoveries = {"business recovery": comparison["recovery"]} if "recovery" in comparison else {}
+        recoveries |= {f"{name} recovery": value for name, value in comparison.get("task_recovery", {}).items()}
+        found += [_at_least(name, value, gate.min_recovery, "min_recovery") for name, value in recoveries.items()]
+    if gate.min_agreement is not None:
+        found.append(_at_least("agreement", comparison["agreement"], gate.min_agreement, "min_agreement"))
+    if gate.max_perplexity_increase is not None:
+        found.append(_at_most("perplexity increase", comparison["perplexity_increase"], gate.max_perplexity_increase,
+                              "max_perplexity_increase"))
+    if gate.max_kl is not None:
+        found.append(_at_most("mean KL", comparison["kl"], gate.max_kl, "max_kl"))
+    return [failure for failure in found if failure]
+
+
+def _at_least(name: str, value: float | None, threshold: float, key: str) -> str | None:
+    if value is None:
+        return f"{name} is undefined (the baseline scores 0), {key} {threshold} cannot hold"
+    return None if value >= threshold else f"{name} {value:.4f} < {key} {threshold} (short by {threshold - value:.4f})"
+
+
+def _at_most(name: str, value: float, threshold: float, key: str) -> str | None:
+    return None if value <= threshold else f"{name} {value:.4f} > {key} {threshold} (over by {value - threshold:.4f})"

@@ -1,0 +1,67 @@
+"""lm-evaluation-harness through llmc: the model `llmc` (registered with lm-eval) loads any llmc target,
+artifacts included; tasks come from lm-eval, from llmc's own local tasks, or from YAML files the user names."""
+import logging
+from pathlib import Path
+
+import yaml
+from lm_eval import simple_evaluate
+from lm_eval.api.registry import register_model
+from lm_eval.models.huggingface import HFLM
+from lm_eval.tasks import TaskManager
+
+from llmc.errors import LlmcError
+from llmc.models.loading import LoadedModel, load_model
+
+LOCAL_TASKS = Path(__file__).parent / "tasks"
+
+
+@register_model("llmc")
+class LlmcLM(HFLM):
+    """`lm_eval --model llmc --model_args target=ARTIFACT_OR_MODEL` once llmc is imported."""
+
+    def __init__(self, target: str | LoadedModel, batch_size: int = 8, **kwargs):
+        loaded = target if isinstance(target, LoadedModel) else load_model(target)
+        super().__init__(pretrained=loaded.model, tokenizer=loaded.tokenizer, batch_size=int(batch_size), **kwargs)
+
+
+def resolve_tasks(names: list[str]) -> tuple[list[str], TaskManager]:
+    """Task names, plus a manager that also sees llmc's tasks and any YAML file or folder named in `names`."""
+    include, tasks = [str(LOCAL_TASKS)], []
+    for name in names:
+        path = Path(name).expanduser()
+        if path.suffix in (".yaml", ".yml") and path.is_file():
+            include.append(str(path.parent))
+            tasks.append(_task_name(path))
+        else:
+            tasks.append(name)
+    manager = TaskManager(include_path=include, include_defaults=False)
+    if not set(tasks) <= set(manager.all_tasks):  # indexing lm-eval's own catalogue takes tens of seconds
+        manager = TaskManager(include_path=include)
+    unknown = [task for task in tasks if task not in manager.all_tasks]
+    if unknown:
+        raise LlmcError(f"unknown lm-eval task {unknown[0]!r}: not an lm-eval task, not in {LOCAL_TASKS}, not a task YAML file")
+    return tasks, manager
+
+
+def run_lm_eval(loaded: LoadedModel, names: list[str], limit: float | None = None) -> dict:
+    """{task: {metric: value}} and which metrics are better when higher, for recovery."""
+    tasks, manager = resolve_tasks(names)
+    logging.getLogger("lm_eval").setLevel(logging.ERROR)
+    output = simple_evaluate(model=LlmcLM(loaded), tasks=tasks, limit=limit, task_manager=manager,
+                             log_samples=False, bootstrap_iters=0)
+    results = {}
+    for task, metrics in output["results"].items():
+        better = output.get("higher_is_better", {}).get(task, {})
+        results[task] = {
+            key.split(",")[0]: {"value": value, "higher_is_better": better.get(key.split(",")[0], True)}
+            for key, value in metrics.items()
+            if isinstance(value, (int, float)) and "_stderr" not in key
+        }
+    return results
+
+
+def _task_name(path: Path) -> str:
+    for line in path.read_text().splitlines():
+        if line.startswith("task:"):
+            return yaml.safe_load(line)["task"]
+    raise LlmcError(f"{path}: a task YAML needs a top-level `task: NAME` line")

@@ -1,0 +1,76 @@
+"""Side by side: every configured eval on every target, the first target the baseline the others are
+compared with. The report is a plain dict (report.json), the same for `llmc eval` and `llmc quantize`."""
+from dataclasses import dataclass
+
+from llmc.evals.business import BusinessResult, compare_business, recovery, run_business
+from llmc.evals.business_set import BusinessItem, load_business_set
+from llmc.evals.divergence import mean_kl
+from llmc.evals.gate import check_gate
+from llmc.evals.generation import make_generator
+from llmc.evals.perplexity import load_eval_text, perplexity
+from llmc.models.loading import LoadedModel, load_model
+from llmc.recipe import EvalConfig
+
+
+@dataclass
+class EvalTarget:
+    label: str
+    spec: str
+
+
+@dataclass
+class Measured:
+    loaded: LoadedModel
+    report: dict
+    business: BusinessResult | None
+
+
+def evaluate_side_by_side(targets: list[EvalTarget], config: EvalConfig) -> dict:
+    text = load_eval_text(config.perplexity.dataset) if config.perplexity else None
+    items = load_business_set(config.business.dataset)[: config.business.limit] if config.business else None
+    report = {"baseline": targets[0].label, "settings": config.model_dump(mode="json", exclude={"gate"}), "targets": {}}
+    base = None
+    for target in targets:
+        measured = _measure(target, config, text, items)
+        if base is None:
+            base = measured
+        else:
+            measured.report["vs_baseline"] = _compare(base, measured, items, target.label)
+        report["targets"][target.label] = measured.report
+    if config.gate is not None:
+        report["gate"] = check_gate(report, config.gate).to_dict()
+    return report
+
+
+def _measure(target: EvalTarget, config: EvalConfig, text: str | None, items: list[BusinessItem] | None) -> Measured:
+    loaded = load_model(target.spec)
+    report: dict = {"target": target.spec}
+    if config.perplexity:
+        settings = config.perplexity
+        report["perplexity"] = perplexity(loaded.model, loaded.tokenizer, text, settings.dataset, settings.seq_len,
+                                          settings.max_windows, label=f"perplexity {target.label}").to_dict()
+    business = run_business(make_generator(loaded), items, f"business {target.label}") if items else None
+    if business:
+        report["business"] = business.to_dict()
+    if config.tasks:
+        from llmc.evals.lm_eval_model import run_lm_eval  # lm-eval is slow to import; only when asked
+
+        report["lm_eval"] = run_lm_eval(loaded, config.tasks.names, config.tasks.limit)
+    return Measured(loaded, report, business)
+
+
+def _compare(base: Measured, other: Measured, items: list[BusinessItem] | None, label: str) -> dict:
+    comparison = {}
+    if "perplexity" in other.report:
+        comparison["perplexity_increase"] = other.report["perplexity"]["perplexity"] / base.report["perplexity"]["perplexity"] - 1
+    if items:
+        comparison |= compare_business(base.business, other.business)
+        comparison["kl"] = mean_kl(base.loaded.model, other.loaded.model, base.loaded.tokenizer, items, f"KL {label}")
+    if "lm_eval" in other.report:
+        comparison["task_recovery"] = {
+            f"{task}/{metric}": recovery(result["value"], base.report["lm_eval"][task][metric]["value"])
+            for task, metrics in other.report["lm_eval"].items()
+            for metric, result in metrics.items()
+            if result["higher_is_better"]
+        }
+    return comparison

@@ -1,0 +1,236 @@
+"""Load benchmark with vLLM's definitions: TTFT (arrival to first token), TPOT ((latency - TTFT) / (tokens - 1)),
+ITL (every gap between streamed chunks), throughput over the whole run; against a URL or an in-process engine,
+optionally side by side with transformers `generate` run one request at a time."""
+import asyncio
+import json
+import random
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+import numpy as np
+import torch
+
+from llmc.errors import LlmcError
+from llmc.runtime.async_engine import AsyncLLMEngine
+from llmc.runtime.sampling_params import SamplingParams
+
+PERCENTILES = (50, 90, 99)
+
+
+@dataclass(slots=True)
+class RequestResult:
+    prompt_tokens: int
+    output_tokens: int = 0
+    ttft: float = 0.0
+    latency: float = 0.0
+    itls: list[float] = field(default_factory=list)
+    cancelled: bool = False
+
+
+def load_prompts(path: Path, num_prompts: int, tokenizer, chat_template: bool, shared_prefix_tokens: int) -> list[str]:
+    """First turns of MT-bench, or the `prompt`/`text` field of any JSONL; reused in order to reach num_prompts."""
+    if not path.is_file():
+        raise LlmcError(f"prompt file not found: {path}")
+    texts = []
+    for line in path.read_text().splitlines():
+        row = json.loads(line) if line.strip() else {}
+        text = (row.get("turns") or [None])[0] or row.get("prompt") or row.get("text")
+        if text:
+            texts.append(text)
+    if not texts:
+        raise LlmcError(f"{path} has no rows with `turns`, `prompt` or `text`")
+    prefix = ""
+    if shared_prefix_tokens:
+        corpus = tokenizer.encode(" ".join(texts) * (1 + shared_prefix_tokens // 1000), add_special_tokens=False)
+        prefix = tokenizer.decode(corpus[:shared_prefix_tokens]) + "\n\n"
+    prompts = []
+    for index in range(num_prompts):
+        text = texts[index % len(texts)]
+        if chat_template and tokenizer.chat_template:
+            messages = ([{"role": "system", "content": prefix}] if prefix else []) + [{"role": "user", "content": text}]
+            prompts.append(tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True))
+        else:
+            prompts.append(prefix + text)
+    return prompts
+
+
+async def stream_from_url(client: httpx.AsyncClient, url: str, model: str, prompt: str, max_tokens: int) -> AsyncIterator[int]:
+    """Yields the number of tokens in each streamed chunk (one per chunk unless the server's usage says otherwise)."""
+    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
+            "stream": True, "stream_options": {"include_usage": True}}
+    async with client.stream("POST", f"{url}/v1/completions", json=body) as response:
+        if response.status_code != 200:
+            raise LlmcError(f"{url} answered {response.status_code}: {(await response.aread()).decode()[:300]}")
+        async for line in response.aiter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                chunk = json.loads(line[6:])
+                if chunk.get("choices"):
+                    yield 1
+
+
+async def stream_from_engine(engine: AsyncLLMEngine, prompt: str, max_tokens: int) -> AsyncIterator[int]:
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    [outputs] = engine.submit([engine.engine.tokenize(prompt)], params)
+    try:
+        async for output in outputs:
+            yield len(output.new_token_ids)
+    finally:
+        await outputs.aclose()  # aborts the request when the caller stopped early
+
+
+async def measure(chunks: AsyncIterator[int], result: RequestResult, cancel_after: int | None) -> RequestResult:
+    start = last = time.perf_counter()
+    async for num_tokens in chunks:
+        now = time.perf_counter()
+        if result.output_tokens == 0:
+            result.ttft = now - start
+        else:
+            result.itls.append(now - last)
+        last = now
+        result.output_tokens += num_tokens
+        if cancel_after is not None and result.output_tokens >= cancel_after:
+            result.cancelled = True
+            await chunks.aclose()
+            break
+    result.latency = last - start
+    return result
+
+
+async def run_load(open_stream, prompts: list[str], prompt_tokens: list[int], max_tokens: int, concurrency: int | None,
+                   request_rate: float | None, cancel_fraction: float, seed: int) -> tuple[list[RequestResult], float]:
+    rng = random.Random(seed)
+    cancel_after = [rng.randint(1, max(1, max_tokens // 2)) if rng.random() < cancel_fraction else None for _ in prompts]
+    gate = asyncio.Semaphore(concurrency or len(prompts))
+
+    async def one(index: int) -> RequestResult:
+        async with gate:
+            stream = open_stream(prompts[index], max_tokens)
+            return await measure(stream, RequestResult(prompt_tokens[index]), cancel_after[index])
+
+    start = time.perf_counter()
+    tasks = []
+    for index in range(len(prompts)):
+        tasks.append(asyncio.create_task(one(index)))
+        if request_rate:  # Poisson arrivals
+            await asyncio.sleep(rng.expovariate(request_rate))
+    results = await asyncio.gather(*tasks)
+    return results, time.perf_counter() - start
+
+
+def percentiles(values: list[float]) -> dict:
+    if not values:
+        return {}
+    stats = {"mean_ms": float(np.mean(values)) * 1e3}
+    stats |= {f"p{p}_ms": float(np.percentile(values, p)) * 1e3 for p in PERCENTILES}
+    return stats
+
+
+def summarize(results: list[RequestResult], duration: float) -> dict:
+    done = [r for r in results if not r.cancelled]
+    output_tokens = sum(r.output_tokens for r in results)
+    return {
+        "completed": len(done),
+        "cancelled": len(results) - len(done),
+        "duration_s": duration,
+        "total_input_tokens": sum(r.prompt_tokens for r in results),
+        "total_output_tokens": output_tokens,
+        "request_throughput": len(done) / duration,
+        "output_throughput": output_tokens / duration,
+        "total_token_throughput": (output_tokens + sum(r.prompt_tokens for r in results)) / duration,
+        "ttft": percentiles([r.ttft for r in results]),
+        "tpot": percentiles([(r.latency - r.ttft) / (r.output_tokens - 1) for r in done if r.output_tokens > 1]),
+        "itl": percentiles([gap for r in results for gap in r.itls]),
+        "e2el": percentiles([r.latency for r in done]),
+        "ttft_first_ms": results[0].ttft * 1e3,
+        "ttft_later_p50_ms": float(np.median([r.ttft for r in results[1:]])) * 1e3 if len(results) > 1 else None,
+    }
+
+
+def hf_baseline(model: str, prompts: list[str], max_tokens: int) -> dict:
+    """transformers `generate` in float32 on the same (dequantized) weights, one request at a time."""
+    from transformers.generation.streamers import BaseStreamer
+
+    from llmc.models.loading import load_model
+
+    loaded = load_model(model, torch.float32)
+
+    class Timestamps(BaseStreamer):
+        def __init__(self):
+            self.times: list[float] = []
+
+        def put(self, value):
+            self.times.append(time.perf_counter())
+
+        def end(self):
+            pass
+
+    results, start = [], time.perf_counter()
+    for prompt in prompts:
+        ids = torch.tensor([loaded.tokenizer.encode(prompt, add_special_tokens=False)])
+        stamps, begin = Timestamps(), time.perf_counter()
+        with torch.inference_mode():
+            loaded.model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_tokens,
+                                  min_new_tokens=max_tokens, do_sample=False, streamer=stamps)
+        token_times = stamps.times[1:]  # the first put() is the prompt
+        results.append(RequestResult(ids.shape[1], len(token_times), token_times[0] - begin, token_times[-1] - begin,
+                                     list(np.diff(token_times))))
+    return summarize(results, time.perf_counter() - start)
+
+
+class KvSampler:
+    """Polls the in-process engine: peak KV usage, and at that peak, tokens held ÷ slots of the blocks in use."""
+
+    def __init__(self, engine: AsyncLLMEngine):
+        self.llm = engine.engine
+        self.peak_blocks = 0
+        self.occupancy_at_peak = 0.0
+
+    async def run(self) -> None:
+        manager = self.llm.block_manager
+        while True:
+            used = manager.num_used_blocks
+            if used > self.peak_blocks:
+                self.peak_blocks, self.occupancy_at_peak = used, self._occupancy()
+            await asyncio.sleep(0.01)
+
+    def _occupancy(self) -> float:
+        """Computed tokens ÷ slots over the blocks running sequences hold (a shared prefix block counts once)."""
+        block_size = self.llm.block_manager.block_size
+        filled: dict[int, int] = {}
+        for seq in list(self.llm.scheduler.running):
+            for index, block_id in enumerate(list(seq.block_table)):
+                tokens = min(block_size, max(0, seq.num_computed_tokens - index * block_size))
+                filled[block_id] = max(filled.get(block_id, 0), tokens)
+        return sum(filled.values()) / (len(filled) * block_size) if filled else 0.0
+
+    def report(self) -> dict:
+        manager = self.llm.block_manager
+        return {"kv_blocks_total": manager.num_blocks, "kv_peak_blocks_used": self.peak_blocks,
+                "kv_peak_usage": self.peak_blocks / manager.num_blocks, "kv_token_occupancy_at_peak": self.occupancy_at_peak,
+                "leaked_blocks": manager.num_used_blocks, "preemptions": self.llm.scheduler.num_preemptions}
+
+
+async def bench_engine(engine: AsyncLLMEngine, prompts: list[str], **load) -> dict:
+    engine.start()
+    sampler = KvSampler(engine)
+    poller = asyncio.create_task(sampler.run())
+    try:
+        prompt_tokens = [len(engine.engine.tokenize(prompt)) for prompt in prompts]
+        results, duration = await run_load(lambda p, n: stream_from_engine(engine, p, n), prompts, prompt_tokens, **load)
+        while engine.num_requests or engine.engine.has_unfinished():  # cancelled requests are still being aborted
+            await asyncio.sleep(0.01)
+    finally:
+        poller.cancel()
+        engine.stop()
+    return summarize(results, duration) | sampler.report()
+
+
+async def bench_url(url: str, model: str, api_key: str | None, prompts: list[str], prompt_tokens: list[int], **load) -> dict:
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    async with httpx.AsyncClient(timeout=None, headers=headers) as client:
+        results, duration = await run_load(
+            lambda p, n: stream_from_url(client, url, model, p, n), prompts, prompt_tokens, **load)
+    return summarize(results, duration)

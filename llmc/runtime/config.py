@@ -1,0 +1,16 @@
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(slots=True)
+class EngineConfig:
+    block_size: int = 16
+    num_kv_blocks: int | None = None  # None: as many as kv_cache_gib holds
+    kv_cache_gib: float = 1.0
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 512  # token budget of one step; longer prompts are prefilled in chunks
+    max_model_len: int | None = None  # None: the model's max_position_embeddings, capped by the KV cache
+    enable_prefix_caching: bool = True
+    dtype: torch.dtype = torch.bfloat16  # float32 runs the exact path (dense matmuls), bfloat16 the int4 kernels
+    device: str = "cpu"

@@ -1,0 +1,133 @@
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from transformers import AutoTokenizer
+
+from llmc.errors import LlmcError
+from llmc.runtime.block_manager import BlockManager
+from llmc.runtime.config import EngineConfig
+from llmc.runtime.layers.sampler import SampledToken
+from llmc.runtime.model_runner import ModelRunner
+from llmc.runtime.sampling_params import SamplingParams
+from llmc.runtime.scheduler import Scheduler
+from llmc.runtime.sequence import Sequence
+
+
+@dataclass(slots=True)
+class RequestOutput:
+    request_id: str
+    new_token_ids: list[int]
+    new_text: str
+    new_logprobs: list[SampledToken] = field(default_factory=list)
+    finish_reason: str | None = None  # "stop", "length" or "abort" once finished
+    num_prompt_tokens: int = 0
+
+
+class LLMEngine:
+    def __init__(self, model: str | Path, config: EngineConfig | None = None):
+        from llmc.models.spec import resolve_model
+
+        self.config = config or EngineConfig()
+        folder = resolve_model(str(model))
+        self.model_name = str(model)
+        self.tokenizer = AutoTokenizer.from_pretrained(folder)
+        self.runner = ModelRunner(folder, self.config)
+        self.max_model_len = self.runner.max_model_len
+        self.block_manager = BlockManager(self.runner.num_blocks, self.config.block_size, self.config.enable_prefix_caching)
+        self.scheduler = Scheduler(self.config, self.block_manager)
+        self.sequences: dict[str, Sequence] = {}
+        self.eos_token_ids = self._eos_token_ids(folder)
+
+    def _eos_token_ids(self, folder: Path) -> set[int]:
+        ids = {self.tokenizer.eos_token_id} - {None}
+        for name in ("config.json", "generation_config.json"):
+            path = folder / name
+            value = json.loads(path.read_text()).get("eos_token_id") if path.is_file() else None
+            ids |= set(value if isinstance(value, list) else [value] if value is not None else [])
+        return ids
+
+    def tokenize(self, prompt: str | list[int]) -> list[int]:
+        return self.tokenizer.encode(prompt, add_special_tokens=False) if isinstance(prompt, str) else list(prompt)
+
+    def check_prompt(self, token_ids: list[int]) -> None:
+        if not token_ids:
+            raise LlmcError("the prompt is empty")
+        if len(token_ids) >= self.max_model_len:
+            raise LlmcError(f"the prompt has {len(token_ids)} tokens; this model accepts at most {self.max_model_len - 1}")
+        if any(not 0 <= token < self.runner.hf_config.vocab_size for token in token_ids):
+            raise LlmcError(f"prompt token ids must be in [0, {self.runner.hf_config.vocab_size})")
+
+    def add_request(self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None) -> Sequence:
+        token_ids = self.tokenize(prompt)
+        self.check_prompt(token_ids)
+        seq = Sequence(token_ids, params, self.config.block_size, request_id)
+        if seq.request_id in self.sequences:
+            raise LlmcError(f"request id {seq.request_id!r} is already in use")
+        self.sequences[seq.request_id] = seq
+        self.scheduler.add(seq)
+        return seq
+
+    def abort(self, request_id: str) -> None:
+        seq = self.sequences.pop(request_id, None)
+        if seq is not None and not seq.is_finished:
+            self.scheduler.finish(seq, "abort")
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    def step(self) -> list[RequestOutput]:
+        seqs = self.scheduler.schedule()
+        if not seqs:
+            return []
+        sampled = self.runner.run(seqs)
+        outputs = []
+        for seq in seqs:
+            seq.num_computed_tokens += seq.num_scheduled_tokens
+            self.block_manager.cache_full_blocks(seq)
+            if seq in sampled:
+                outputs.append(self._append(seq, sampled[seq]))
+        return outputs
+
+    def _append(self, seq: Sequence, token: SampledToken) -> RequestOutput:
+        params = seq.params
+        seq.append_token(token.token_id)
+        if params.logprobs is not None:
+            seq.logprobs.append(token)
+        seq.text = self.tokenizer.decode(seq.output_token_ids, skip_special_tokens=True)
+        reason = None
+        if token.token_id in params.stop_token_ids or (token.token_id in self.eos_token_ids and not params.ignore_eos):
+            reason = "stop"
+        elif seq.num_output_tokens >= params.max_tokens or len(seq) >= self.max_model_len:
+            reason = "length"
+        hits = [i for stop in params.stop if (i := seq.text.find(stop, max(0, seq.num_emitted_chars - len(stop)))) != -1]
+        if hits:
+            seq.text, reason = seq.text[: min(hits)], "stop"
+        if reason:
+            self.scheduler.finish(seq, reason)
+            del self.sequences[seq.request_id]
+            visible_end = len(seq.text)
+        else:  # hold back what may still become a stop string or complete a multi-byte character
+            holdback = max((len(stop) - 1 for stop in params.stop), default=0)
+            visible_end = len(seq.text[: len(seq.text) - holdback].removesuffix("\ufffd"))
+        new_text = seq.text[seq.num_emitted_chars : visible_end]
+        seq.num_emitted_chars = max(seq.num_emitted_chars, visible_end)
+        return RequestOutput(
+            request_id=seq.request_id,
+            new_token_ids=[token.token_id],
+            new_text=new_text,
+            new_logprobs=[token] if params.logprobs is not None else [],
+            finish_reason=reason,
+            num_prompt_tokens=seq.num_prompt_tokens,
+        )
+
+    def generate(self, prompts: list[str | list[int]], params: SamplingParams | list[SamplingParams]) -> list[dict]:
+        """Run many prompts to completion (offline batch inference)."""
+        params_list = params if isinstance(params, list) else [params] * len(prompts)
+        seqs = [self.add_request(prompt, p) for prompt, p in zip(prompts, params_list)]
+        while self.has_unfinished():
+            self.step()
+        return [
+            {"text": seq.text, "token_ids": seq.output_token_ids, "finish_reason": seq.finish_reason, "logprobs": seq.logprobs}
+            for seq in seqs
+        ]

@@ -1,0 +1,87 @@
+"""Paged attention: K/V live in fixed-size blocks and every sequence reads them through its block table."""
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+@dataclass(slots=True)
+class AttentionMetadata:
+    slot_mapping: torch.Tensor  # [num_tokens] cache slot (block_id * block_size + offset) of every new token
+    block_tables: torch.Tensor  # [num_seqs, max_blocks], padded with block 0
+    context_lens: torch.Tensor  # [num_seqs] tokens in the cache once this step's are written
+    seq_lens: list[int]  # context_lens as Python ints
+    query_lens: list[int]  # new tokens per sequence
+    num_decodes: int  # the first num_decodes sequences have exactly one new token
+
+
+def gather_kv(cache: torch.Tensor, block_table: torch.Tensor, context_len: int) -> torch.Tensor:
+    """[num_blocks, block_size, kv_heads, head_dim] cache -> [context_len, kv_heads, head_dim] for one sequence."""
+    return cache[block_table].flatten(0, 1)[:context_len]
+
+
+def decode_attention_reference(
+    query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+    context_lens: torch.Tensor, scale: float,
+) -> torch.Tensor:
+    """One query token per sequence: [num_seqs, heads, head_dim] -> same shape. Plain matmuls in float32: for a
+    single query, torch's CPU flash-attention kernel is twice as slow."""
+    num_seqs, num_heads, head_dim = query.shape
+    keys = k_cache[block_tables].flatten(1, 2).float()  # [num_seqs, max_len, kv_heads, head_dim]
+    values = v_cache[block_tables].flatten(1, 2).float()
+    num_kv_heads = keys.shape[2]
+    grouped = query.view(num_seqs, num_kv_heads, num_heads // num_kv_heads, head_dim).float()
+    scores = torch.einsum("bhgd,blhd->bhgl", grouped, keys) * scale
+    padding = torch.arange(keys.shape[1], device=query.device)[None, :] >= context_lens[:, None]
+    scores.masked_fill_(padding[:, None, None, :], float("-inf"))
+    out = torch.einsum("bhgl,blhd->bhgd", scores.softmax(-1), values)
+    return out.reshape(num_seqs, num_heads, head_dim).to(query.dtype)
+
+
+def prefill_attention_reference(
+    query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,
+    context_len: int, scale: float,
+) -> torch.Tensor:
+    """A chunk of one sequence's queries against its cached prefix and itself, causally."""
+    query_len = query.shape[0]
+    keys = gather_kv(k_cache, block_table, context_len).transpose(0, 1)
+    values = gather_kv(v_cache, block_table, context_len).transpose(0, 1)
+    if query_len == context_len:
+        mask, is_causal = None, True
+    else:
+        mask = torch.ones(query_len, context_len, dtype=torch.bool, device=query.device).tril(context_len - query_len)
+        is_causal = False
+    out = F.scaled_dot_product_attention(
+        query.transpose(0, 1), keys, values, attn_mask=mask, is_causal=is_causal, scale=scale, enable_gqa=True
+    )
+    return out.transpose(0, 1)
+
+
+class PagedAttention(nn.Module):
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int):
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
+        self.scale = head_dim**-0.5
+        self.k_cache = self.v_cache = torch.empty(0)  # bound by the model runner
+        self.decode_attention = decode_attention_reference
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, metadata: AttentionMetadata) -> torch.Tensor:
+        self.k_cache.view(-1, self.num_kv_heads, self.head_dim).index_copy_(0, metadata.slot_mapping, k)
+        self.v_cache.view(-1, self.num_kv_heads, self.head_dim).index_copy_(0, metadata.slot_mapping, v)
+        num_decodes = metadata.num_decodes
+        outputs = []
+        if num_decodes:
+            outputs.append(self.decode_attention(
+                q[:num_decodes], self.k_cache, self.v_cache, metadata.block_tables[:num_decodes],
+                metadata.context_lens[:num_decodes], self.scale,
+            ))
+        start = num_decodes
+        for index in range(num_decodes, len(metadata.query_lens)):
+            end = start + metadata.query_lens[index]
+            context_len = metadata.seq_lens[index]
+            num_blocks = (context_len + self.k_cache.shape[1] - 1) // self.k_cache.shape[1]
+            block_table = metadata.block_tables[index, :num_blocks]
+            outputs.append(prefill_attention_reference(q[start:end], self.k_cache, self.v_cache, block_table, context_len, self.scale))
+            start = end
+        return torch.cat(outputs) if len(outputs) > 1 else outputs[0]

@@ -1,0 +1,105 @@
+"""Linear layers built once at load from an artifact's weights. Each kernel says which weights, dtypes and devices it
+`supports`; `build_linear` takes the first that does, so W8A8, FP8 and GPU kernels plug in by joining KERNELS."""
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from llmc.quant.qtypes import QuantizedWeight
+
+
+@dataclass(slots=True)
+class LinearWeight:
+    weight: torch.Tensor | QuantizedWeight  # [out, in]
+    bias: torch.Tensor | None = None
+
+    @property
+    def out_features(self) -> int:
+        weight = self.weight
+        return (weight.codes if isinstance(weight, QuantizedWeight) else weight).shape[0]
+
+
+class DenseLinear(nn.Module):
+    """Plain weights, or quantized ones dequantized once at load with llmc's own arithmetic (the fallback)."""
+
+    def __init__(self, weight: LinearWeight, dtype: torch.dtype, device: str):
+        super().__init__()
+        dense = weight.weight.dequantize() if isinstance(weight.weight, QuantizedWeight) else weight.weight
+        self.weight = nn.Parameter(dense.to(device, dtype), requires_grad=False)
+        self.bias = None if weight.bias is None else nn.Parameter(weight.bias.to(device, dtype), requires_grad=False)
+
+    @staticmethod
+    def supports(weight: LinearWeight, dtype: torch.dtype, device: str) -> bool:
+        return True
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
+class Int4CpuLinear(nn.Module):
+    """Symmetric int4 groups on torch's own CPU kernel; the codes are repacked into its layout once, at load.
+    With scales in the compute dtype its weights equal `dequantize` bit for bit (the zero term is 0), so only the
+    matmul's summation order differs. Chosen for bfloat16 only: the kernel's float32 path is slower than a dense matmul."""
+
+    GROUP_SIZES = (32, 64, 128, 256)
+
+    def __init__(self, weight: LinearWeight, dtype: torch.dtype, device: str):
+        super().__init__()
+        quantized = weight.weight
+        self.group_size = quantized.args.group_size
+        self.out_features, self.in_features = quantized.codes.shape
+        unsigned = quantized.codes.to(torch.int32) + 8
+        self.register_buffer("packed", torch.ops.aten._convert_weight_to_int4pack_for_cpu(unsigned, 1))
+        scale = quantized.scale.to(dtype).t()  # [in / group_size, out]
+        self.register_buffer("scales_and_zeros", torch.stack([scale, torch.zeros_like(scale)], dim=-1).contiguous())
+        self.bias = None if weight.bias is None else nn.Parameter(weight.bias.to(dtype), requires_grad=False)
+
+    @classmethod
+    def supports(cls, weight: LinearWeight, dtype: torch.dtype, device: str) -> bool:
+        quantized = weight.weight
+        return (
+            device == "cpu"
+            and dtype == torch.bfloat16
+            and isinstance(quantized, QuantizedWeight)
+            and quantized.args.num_bits == 4
+            and quantized.args.symmetric
+            and quantized.args.strategy == "group"
+            and quantized.args.group_size in cls.GROUP_SIZES
+            and quantized.codes.shape[0] % 8 == 0
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        flat = x.reshape(-1, self.in_features)
+        out = torch.ops.aten._weight_int4pack_mm_for_cpu(flat, self.packed, self.group_size, self.scales_and_zeros)
+        out = out.reshape(*x.shape[:-1], self.out_features)
+        return out if self.bias is None else out + self.bias
+
+
+KERNELS: list[type[nn.Module]] = [Int4CpuLinear, DenseLinear]  # by priority; DenseLinear takes anything
+
+
+def merge(parts: list[LinearWeight]) -> LinearWeight:
+    """Stack projections that read the same input (q/k/v, gate/up) into one matmul."""
+    if len(parts) == 1:
+        return parts[0]
+    weights = [part.weight for part in parts]
+    if all(isinstance(weight, QuantizedWeight) for weight in weights) and len({weight.args for weight in weights}) == 1:
+        weight = QuantizedWeight(
+            torch.cat([w.codes for w in weights]),
+            torch.cat([w.scale for w in weights]),
+            torch.cat([w.zero_point for w in weights]),
+            weights[0].args,
+        )
+    else:  # formats differ: run the group dense
+        weight = torch.cat([w.dequantize() if isinstance(w, QuantizedWeight) else w for w in weights])
+    bias = None
+    if any(part.bias is not None for part in parts):
+        bias = torch.cat([part.bias if part.bias is not None else torch.zeros(part.out_features) for part in parts])
+    return LinearWeight(weight, bias)
+
+
+def build_linear(parts: list[LinearWeight], dtype: torch.dtype, device: str) -> nn.Module:
+    weight = merge(parts)
+    kernel = next(kernel for kernel in KERNELS if kernel.supports(weight, dtype, device))
+    return kernel(weight, dtype, device).to(device)

@@ -1,0 +1,44 @@
+"""Prometheus metrics, named like vLLM's with an `llmc:` prefix. Engine state is read at scrape time."""
+from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+from llmc.runtime.engine import LLMEngine
+
+LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
+
+
+class EngineCollector:
+    def __init__(self, engine: LLMEngine):
+        self.engine = engine
+
+    def collect(self):
+        scheduler, blocks = self.engine.scheduler, self.engine.block_manager
+        yield GaugeMetricFamily("llmc:num_requests_running", "Requests in the running batch.", value=len(scheduler.running))
+        yield GaugeMetricFamily("llmc:num_requests_waiting", "Requests waiting for KV blocks.", value=len(scheduler.waiting))
+        yield GaugeMetricFamily("llmc:kv_cache_usage_perc", "Fraction of KV blocks in use.", value=blocks.num_used_blocks / blocks.num_blocks)
+        queries, hits = blocks.num_prefix_query_tokens, blocks.num_prefix_hit_tokens
+        yield CounterMetricFamily("llmc:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", value=queries)
+        yield CounterMetricFamily("llmc:prefix_cache_hits", "Prompt tokens found in the prefix cache.", value=hits)
+        yield GaugeMetricFamily("llmc:prefix_cache_hit_rate", "Prefix-cache hits / queries, in tokens.", value=hits / queries if queries else 0.0)
+        yield CounterMetricFamily("llmc:num_preemptions", "Sequences preempted for lack of KV blocks.", value=scheduler.num_preemptions)
+        finished = CounterMetricFamily("llmc:request_success", "Finished requests.", labels=["finished_reason"])
+        for reason in ("stop", "length", "abort"):
+            finished.add_metric([reason], scheduler.num_finished[reason])
+        yield finished
+
+
+class ServerMetrics:
+    def __init__(self, engine: LLMEngine):
+        self.registry = CollectorRegistry()
+        self.registry.register(EngineCollector(engine))
+        self.time_to_first_token = Histogram(
+            "llmc:time_to_first_token_seconds", "Time to first token.", buckets=LATENCY_BUCKETS, registry=self.registry
+        )
+        self.inter_token_latency = Histogram(
+            "llmc:inter_token_latency_seconds", "Time between two output tokens.", buckets=LATENCY_BUCKETS, registry=self.registry
+        )
+        self.e2e_latency = Histogram(
+            "llmc:e2e_request_latency_seconds", "Request latency.", buckets=LATENCY_BUCKETS, registry=self.registry
+        )
+        self.prompt_tokens = Counter("llmc:prompt_tokens", "Prompt tokens processed.", registry=self.registry)
+        self.generation_tokens = Counter("llmc:generation_tokens", "Tokens generated.", registry=self.registry)

@@ -1,0 +1,91 @@
+import logging
+from pathlib import Path
+
+import torch
+from transformers import AutoConfig
+
+from llmc.errors import LlmcError
+from llmc.runtime.config import EngineConfig
+from llmc.runtime.layers.attention import AttentionMetadata
+from llmc.runtime.layers.sampler import SampledToken, sample
+from llmc.runtime.loader import WeightLoader
+from llmc.runtime.models.llama import LlamaForCausalLM
+from llmc.runtime.sequence import Sequence
+
+logger = logging.getLogger(__name__)
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
+
+
+class ModelRunner:
+    """Owns the model and the paged KV cache; turns scheduled sequences into one flat batch and samples."""
+
+    def __init__(self, folder: Path, config: EngineConfig):
+        hf_config = AutoConfig.from_pretrained(folder)
+        if hf_config.model_type not in SUPPORTED_MODEL_TYPES:
+            raise LlmcError(f"the llmc runtime serves {SUPPORTED_MODEL_TYPES} models, not {hf_config.model_type!r}")
+        self.hf_config = hf_config
+        self.block_size = config.block_size
+        self.device = config.device
+        num_layers, num_kv_heads = hf_config.num_hidden_layers, hf_config.num_key_value_heads
+        head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // hf_config.num_attention_heads
+        block_bytes = 2 * num_layers * config.block_size * num_kv_heads * head_dim * config.dtype.itemsize
+        blocks_per_seq = -(-hf_config.max_position_embeddings // config.block_size)
+        self.num_blocks = config.num_kv_blocks or min(int(config.kv_cache_gib * 2**30 // block_bytes), config.max_num_seqs * blocks_per_seq)
+        self.max_model_len = min(
+            config.max_model_len or hf_config.max_position_embeddings,
+            hf_config.max_position_embeddings,
+            self.num_blocks * config.block_size,  # one sequence must always fit, or preemption could not help
+        )
+        if getattr(hf_config, "sliding_window", None) and getattr(hf_config, "use_sliding_window", True):
+            self.max_model_len = min(self.max_model_len, hf_config.sliding_window)
+        self.model = LlamaForCausalLM(hf_config, WeightLoader(folder, config.dtype, config.device), self.max_model_len)
+        self.kv_cache = torch.zeros(
+            2, num_layers, self.num_blocks, config.block_size, num_kv_heads, head_dim, dtype=config.dtype, device=config.device
+        )
+        for index, attention in enumerate(self.model.attention_layers()):
+            attention.k_cache, attention.v_cache = self.kv_cache[0, index], self.kv_cache[1, index]
+        if config.device.startswith("cuda"):
+            from llmc.runtime.layers.triton_attention import decode_attention_triton
+
+            for attention in self.model.attention_layers():
+                attention.decode_attention = decode_attention_triton
+        logger.info("KV cache: %d blocks of %d tokens; max model length %d", self.num_blocks, self.block_size, self.max_model_len)
+
+    def _prepare(self, seqs: list[Sequence]) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+        input_ids, positions, slot_mapping, seq_lens = [], [], [], []
+        for seq in seqs:
+            start, end = seq.num_computed_tokens, seq.num_computed_tokens + seq.num_scheduled_tokens
+            input_ids += seq.token_ids[start:end]
+            positions += range(start, end)
+            slot_mapping += [seq.block_table[p // self.block_size] * self.block_size + p % self.block_size for p in range(start, end)]
+            seq_lens.append(end)
+        max_blocks = max(len(seq.block_table) for seq in seqs)
+        block_tables = [seq.block_table + [0] * (max_blocks - len(seq.block_table)) for seq in seqs]
+
+        def tensor(values: list[int]) -> torch.Tensor:
+            return torch.tensor(values, dtype=torch.long, device=self.device)
+
+        metadata = AttentionMetadata(
+            slot_mapping=tensor(slot_mapping),
+            block_tables=tensor(block_tables),
+            context_lens=tensor(seq_lens),
+            seq_lens=seq_lens,
+            query_lens=[seq.num_scheduled_tokens for seq in seqs],
+            num_decodes=sum(seq.num_scheduled_tokens == 1 for seq in seqs),
+        )
+        return tensor(input_ids), tensor(positions), metadata
+
+    @torch.inference_mode()
+    def run(self, seqs: list[Sequence]) -> dict[Sequence, SampledToken]:
+        """Compute the scheduled tokens of every sequence; sample for those whose scheduled chunk ends their tokens."""
+        seqs = sorted(seqs, key=lambda seq: seq.num_scheduled_tokens != 1)  # decodes first
+        input_ids, positions, metadata = self._prepare(seqs)
+        hidden = self.model(input_ids, positions, metadata)
+        last_index = torch.tensor(metadata.query_lens).cumsum(0) - 1
+        sampling = [row for row, seq in enumerate(seqs) if seq.num_computed_tokens + seq.num_scheduled_tokens == len(seq)]
+        if not sampling:
+            return {}
+        logits = self.model.compute_logits(hidden[last_index[sampling].to(self.device)])
+        sampling_seqs = [seqs[row] for row in sampling]
+        tokens = sample(logits, [seq.params for seq in sampling_seqs], [seq.generator for seq in sampling_seqs])
+        return dict(zip(sampling_seqs, tokens))

@@ -1,0 +1,82 @@
+"""The OpenAI request bodies the server accepts, and their translation into SamplingParams."""
+from pydantic import BaseModel, ConfigDict, Field
+
+from llmc.errors import LlmcError
+from llmc.runtime.sampling_params import SamplingParams
+
+
+class SamplingRequest(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    model: str | None = None
+    max_tokens: int | None = Field(default=None, ge=1)
+    temperature: float = Field(default=1.0, ge=0, le=2)
+    top_p: float = Field(default=1.0, gt=0, le=1)
+    top_k: int = Field(default=0, ge=0)
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] = []
+    ignore_eos: bool = False
+    n: int = 1
+    stream: bool = False
+    stream_options: dict | None = None
+
+    def sampling_params(self, default_max_tokens: int, logprobs: int | None) -> SamplingParams:
+        if self.n != 1:
+            raise LlmcError("only n=1 is supported")
+        return SamplingParams(
+            temperature=self.temperature,
+            top_p=self.top_p,
+            top_k=self.top_k,
+            seed=self.seed,
+            max_tokens=self.max_tokens or default_max_tokens,
+            stop=[self.stop] if isinstance(self.stop, str) else list(self.stop or []),
+            stop_token_ids=self.stop_token_ids,
+            ignore_eos=self.ignore_eos,
+            logprobs=logprobs,
+        )
+
+    @property
+    def include_usage(self) -> bool:
+        return bool((self.stream_options or {}).get("include_usage"))
+
+
+class CompletionRequest(SamplingRequest):
+    prompt: str | list[str] | list[int] | list[list[int]]
+    max_tokens: int | None = Field(default=16, ge=1)
+    logprobs: int | None = Field(default=None, ge=0, le=20)
+    echo: bool = False
+
+    def prompts(self) -> list[str | list[int]]:
+        if self.echo:
+            raise LlmcError("echo is not supported")
+        prompt = self.prompt
+        if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)):
+            return [prompt]
+        if not prompt:
+            raise LlmcError("prompt must not be empty")
+        if self.stream and len(prompt) > 1:
+            raise LlmcError("streaming takes a single prompt")
+        return list(prompt)
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    role: str
+    content: str | list[dict] | None = None
+
+
+class ChatCompletionRequest(SamplingRequest):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(default=None, ge=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(default=None, ge=0, le=20)
+
+    def conversation(self) -> list[dict]:
+        def text(content: str | list[dict] | None) -> str:
+            if isinstance(content, list):
+                return "".join(part.get("text", "") for part in content if part.get("type") == "text")
+            return content or ""
+
+        return [{"role": message.role, "content": text(message.content)} for message in self.messages]

