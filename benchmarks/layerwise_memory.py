@@ -2,7 +2,7 @@
 layers, each quantized (W4A16 g128 RTN, with 16 x 256 calibration tokens flowing layer by layer) in its own
 process. The layer-by-layer driver should keep peak RSS nearly flat: goal 32 layers <= 1.25 x 8 layers.
 
-    python benchmarks/layerwise_memory.py [--hidden 1024] [--stage rtn]
+    python benchmarks/layerwise_memory.py [--hidden 1024] [--stage rtn|gptq]
 """
 import argparse
 import json
@@ -14,6 +14,7 @@ from pathlib import Path
 
 STAGES = {
     "rtn": "  - type: rtn\n    scheme: W4A16\n",
+    "gptq": "  - type: gptq\n    scheme: W4A16\n",  # adds one Hessian per distinct Linear input to the layer
 }
 
 

@@ -11,7 +11,7 @@ import torch
 from transformers import AutoConfig, AutoTokenizer
 
 import llmc
-from llmc.artifact.compressed_tensors import quantization_config
+from llmc.artifact.export import exporter_for
 from llmc.artifact.writer import ShardWriter, staged_folder, write_manifest
 from llmc.calib.data import load_calibration
 from llmc.calib.driver import build_skeleton, decoder_layers, layer_linears, quantize_layerwise
@@ -23,7 +23,7 @@ from llmc.models.checkpoint import CheckpointReader
 from llmc.models.families import family_for
 from llmc.models.spec import resolve_model
 from llmc.quant.qtypes import QuantArgs
-from llmc.quant.stages import assign_linears, build_quantizers, check_group_sizes
+from llmc.quant.stages import assign_linears, build_stages, check_group_sizes, formats_of
 from llmc.recipe import Recipe
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -37,16 +37,14 @@ def export_dtype(recipe: Recipe, config) -> torch.dtype:
     return getattr(torch, source) if isinstance(source, str) else source
 
 
-def plan_quantization(quantizers: list, skeleton, family) -> dict[str, QuantArgs]:
+def plan_quantization(stages: list, skeleton, family) -> dict[str, QuantArgs]:
     """Which Linear gets which format, checked for the whole model before any weight is read."""
-    plan: dict[str, QuantArgs] = {}
-    per_stage_all: list[dict] = [{} for _ in quantizers]
+    per_stage_all: list[dict] = [{} for _ in stages]
     for index, layer in enumerate(decoder_layers(skeleton, family)):
-        for stage_linears, chosen in zip(per_stage_all, assign_linears(quantizers, layer_linears(layer, f"{family.layers}.{index}"))):
+        for stage_linears, chosen in zip(per_stage_all, assign_linears(stages, layer_linears(layer, f"{family.layers}.{index}"))):
             stage_linears.update(chosen)
-    check_group_sizes(quantizers, per_stage_all)
-    for quantizer, linears in zip(quantizers, per_stage_all):
-        plan |= {name: quantizer.config.weights for name in linears}
+    check_group_sizes(stages, per_stage_all)
+    plan = formats_of(stages, per_stage_all)
     if not plan:
         raise LlmcError("the recipe's stages target no Linear layer; check their targets and ignore lists")
     return plan
@@ -63,25 +61,29 @@ def run_quantize(recipe: Recipe, overwrite: bool = False) -> Path:
     family = family_for(config)
     tokenizer = AutoTokenizer.from_pretrained(folder)
     dtype = export_dtype(recipe, config)
-    quantizers = build_quantizers(recipe, dtype)
+    exporter = exporter_for(recipe)
+    stages = build_stages(recipe, exporter.scale_dtype or dtype, family)
     skeleton = build_skeleton(AutoConfig.from_pretrained(folder))
-    plan = plan_quantization(quantizers, skeleton, family)
+    plan = plan_quantization(stages, skeleton, family)
     calibration = load_calibration(recipe.calibration, tokenizer) if recipe.calibration else None
     timings["prepare_s"] = time.perf_counter() - started
 
     with staged_folder(output, overwrite) as staging:
         reader = CheckpointReader(folder)
         num_layers = len(decoder_layers(skeleton, family))
-        writer = ShardWriter(staging, num_layers + 1, dtype)
+        writer = ShardWriter(staging, num_layers + 1, dtype, exporter.tensors)
         started = time.perf_counter()
-        reports = quantize_layerwise(reader, skeleton, config, family, quantizers, calibration, writer.write_layer)
+        reports = quantize_layerwise(reader, skeleton, config, family, stages, calibration, writer.write_layer)
         rest = reader.tensors([name for name in reader.file_of if not name.startswith(f"{family.layers}.")])
         rest = {name: tensor.to(dtype) for name, tensor in rest.items()}
         writer.write(rest)
         writer.write_index()
         timings["quantize_s"] = time.perf_counter() - started
         all_linears = [name for name, module in skeleton.named_modules() if isinstance(module, torch.nn.Linear)]
-        _write_config(folder, staging, quantization_config(plan, all_linears), dtype)
+        quantization = exporter.config(plan, all_linears)
+        _write_config(folder, staging, quantization, dtype)
+        for name in exporter.extra_files:
+            (staging / name).write_text(json.dumps(quantization, indent=2, sort_keys=True) + "\n")
         tokenizer.save_pretrained(staging)
         (staging / "recipe.yaml").write_text(recipe.to_yaml())
         started = time.perf_counter()
@@ -93,7 +95,7 @@ def run_quantize(recipe: Recipe, overwrite: bool = False) -> Path:
             "model": recipe.model,
             "libraries": {name: version(name) for name in LIBRARIES} | {"python": platform.python_version()},
             "export_dtype": str(dtype).removeprefix("torch."),
-            "stages": [{"type": stage.type, "weights": stage.weights.describe()} for stage in recipe.stages],
+            "stages": [{"type": stage.type} | ({"weights": stage.weights.describe()} if hasattr(stage, "weights") else {}) for stage in recipe.stages],
             "calibration": None if calibration is None else {
                 "dataset": calibration.source,
                 "num_samples": calibration.input_ids.shape[0],

@@ -26,8 +26,9 @@ class CalibrationConfig(StrictModel):
     seed: int = 0
 
 
-class RTNStage(StrictModel):
-    type: Literal["rtn"]
+class WeightStage(StrictModel):
+    """A stage that quantizes the weights of the Linears it targets."""
+
     scheme: str | None = None
     weights: QuantArgs = QuantArgs()
     targets: list[str] = ["Linear"]
@@ -43,7 +44,38 @@ class RTNStage(StrictModel):
         return data
 
 
-Stage = Annotated[RTNStage, Field(discriminator="type")]
+class RTNStage(WeightStage):
+    type: Literal["rtn"]
+
+    @model_validator(mode="after")
+    def _no_actorder(self) -> "RTNStage":
+        if self.weights.actorder is not None:
+            raise ValueError("weights.actorder needs a Hessian; use type: gptq")
+        return self
+
+
+class GPTQStage(WeightStage):
+    type: Literal["gptq"]
+    block_size: int = Field(128, gt=0)
+    dampening_frac: float = Field(0.01, gt=0)
+
+
+class AWQStage(StrictModel):
+    """Scales each (norm or Linear) -> Linears pair so that a later stage's quantization loses less; quantizes
+    nothing itself."""
+
+    type: Literal["awq"]
+    targets: list[str] = ["Linear"]  # pairs whose every balance Linear matches are scaled
+    ignore: list[str] = []
+    n_grid: int = Field(20, gt=1)
+    duo_scaling: bool = True
+    clip_search: bool = False
+    max_shrink: float = Field(0.5, gt=0, lt=1)  # the clip search tries ranges down to (1 - max_shrink) x max
+
+
+Stage = Annotated[RTNStage | GPTQStage | AWQStage, Field(discriminator="type")]
+WEIGHT_STAGES = (RTNStage, GPTQStage)
+STAGE_TYPES = ("rtn", "gptq", "awq")
 
 
 class PerplexityEval(StrictModel):
@@ -98,7 +130,8 @@ class EvalConfig(StrictModel):
 
 
 class ExportConfig(StrictModel):
-    format: Literal["compressed-tensors"] = "compressed-tensors"
+    format: Literal["compressed-tensors", "gptq", "awq"] = "compressed-tensors"
+    checkpoint_format: Literal["gptq", "gptq_v2"] = "gptq"  # format gptq: v1 stores zero - 1, v2 exact zeros
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
 
 
@@ -109,6 +142,44 @@ class Recipe(StrictModel):
     stages: list[Stage] = Field(min_length=1)
     eval: EvalConfig = EvalConfig()
     export: ExportConfig = ExportConfig()
+
+    @model_validator(mode="after")
+    def _stage_order_and_data(self) -> "Recipe":
+        for index, stage in enumerate(self.stages):
+            if isinstance(stage, AWQStage):
+                before, after = self.stages[:index], self.stages[index + 1 :]
+                if any(isinstance(s, WEIGHT_STAGES) for s in before):
+                    raise ValueError(f"stages.{index} (awq) must come before the stages that quantize (rtn, gptq)")
+                if not any(isinstance(s, WEIGHT_STAGES) for s in after):
+                    raise ValueError(f"stages.{index} (awq) must be followed by a stage that quantizes (rtn or gptq)")
+            if isinstance(stage, (AWQStage, GPTQStage)) and self.calibration is None:
+                raise ValueError(f"stages.{index} ({stage.type}) needs a calibration section")
+        self._check_export()
+        return self
+
+    def _check_export(self) -> None:
+        formats = {stage.weights for stage in self.stages if isinstance(stage, WEIGHT_STAGES)}
+        fmt = self.export.format
+        for index, stage in enumerate(self.stages):
+            if isinstance(stage, WEIGHT_STAGES) and stage.weights.actorder == "group" and fmt != "gptq":
+                raise ValueError(
+                    f"stages.{index}.weights.actorder: 'group' needs a g_idx tensor, which only export.format gptq "
+                    f"carries (compressed-tensors dropped it); use actorder: static"
+                )
+        if fmt == "compressed-tensors":
+            return
+        if len(formats) > 1:
+            raise ValueError(f"export.format {fmt}: its config holds one weight format, the stages use {len(formats)}")
+        args = next(iter(formats))
+        if fmt == "gptq" and args.strategy == "tensor":
+            raise ValueError("export.format gptq: needs strategy group or channel")
+        if fmt == "gptq" and self.export.checkpoint_format == "gptq" and not args.symmetric:
+            raise ValueError(
+                "export.checkpoint_format gptq (v1) stores zero - 1 and cannot hold the zero point 0 that asymmetric "
+                "groups may need; use checkpoint_format: gptq_v2, or symmetric weights"
+            )
+        if fmt == "awq" and (args.strategy != "group" or args.num_bits != 4):
+            raise ValueError("export.format awq: needs num_bits 4 with strategy group")
 
     def to_yaml(self) -> str:
         return yaml.safe_dump(self.model_dump(mode="json", exclude_none=False), sort_keys=False)
@@ -186,7 +257,7 @@ def _index(node: list, part: str, path: list[str]) -> int:
 def _describe(error: ValidationError, path: Path, root: yaml.Node | None, overridden: set[tuple]) -> str:
     lines = [f"invalid recipe {path}:"]
     for item in error.errors():
-        location = [part for part in item["loc"] if part not in ("rtn",) and not str(part).startswith("function-")]
+        location = [part for part in item["loc"] if part not in STAGE_TYPES and not str(part).startswith("function-")]
         field = ".".join(str(part) for part in location) or "(top level)"
         if any(tuple(location[: len(o)]) == o for o in overridden):
             where = "--set"

@@ -25,7 +25,8 @@ def pack_quantized_tensors(name: str, weight: QuantizedWeight) -> dict[str, torc
 
 def to_ct_args(args: QuantArgs) -> QuantizationArgs:
     return QuantizationArgs(
-        num_bits=args.num_bits, type=args.type, symmetric=args.symmetric, strategy=args.strategy, group_size=args.group_size
+        num_bits=args.num_bits, type=args.type, symmetric=args.symmetric, strategy=args.strategy,
+        group_size=args.group_size, actorder=args.actorder,
     )
 
 
@@ -60,6 +61,7 @@ def weight_args_from_config(quantization_config: dict) -> list[tuple[list[str], 
             symmetric=weights["symmetric"],
             strategy=weights["strategy"],
             group_size=weights.get("group_size"),
+            actorder="static" if weights.get("actorder") == "weight" else weights.get("actorder"),
         )
         result.append((group["targets"], args))
     return result

@@ -6,6 +6,7 @@ import os
 import shutil
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Callable
 
 import torch
 from safetensors.torch import save_file
@@ -15,6 +16,7 @@ from llmc.artifact.compressed_tensors import pack_quantized_tensors
 from llmc.errors import LlmcError
 from llmc.quant.qtypes import QuantizedWeight
 
+PackLinear = Callable[[str, QuantizedWeight], dict[str, torch.Tensor]]
 MANIFEST = "llmc.json"
 INDEX = "model.safetensors.index.json"
 
@@ -39,17 +41,18 @@ def staged_folder(output: Path, overwrite: bool = False):
 class ShardWriter:
     """One safetensors shard per decoder layer plus one for the rest, with the HF index over them."""
 
-    def __init__(self, folder: Path, num_shards: int, dtype: torch.dtype):
+    def __init__(self, folder: Path, num_shards: int, dtype: torch.dtype, tensors_of: PackLinear = pack_quantized_tensors):
         self.folder = folder
         self.num_shards = num_shards
         self.dtype = dtype
+        self.tensors_of = tensors_of
         self.weight_map: dict[str, str] = {}
         self.total_size = 0
 
     def write_layer(self, prefix: str, layer: nn.Module, quantized: dict[str, QuantizedWeight]) -> None:
         tensors = {}
         for name, weight in quantized.items():
-            tensors |= pack_quantized_tensors(name, weight)
+            tensors |= self.tensors_of(name, weight)
         quantized_params = {f"{name}.weight" for name in quantized}
         for name, param in layer.state_dict().items():
             full_name = f"{prefix}.{name}"

@@ -1,7 +1,8 @@
 """Sequential, layer-by-layer quantization. The model is built on the meta device; each decoder layer's weights
 are read from the checkpoint's safetensors when its turn comes and released after, so peak memory is one layer
 plus the calibration activations whatever the depth. With calibration data each layer's inputs are the previous
-layer's outputs computed with quantized weights, and each layer's output error is measured."""
+layer's outputs computed with quantized weights, stages that need data see the inputs of the modules they
+observe, and each layer's output error is measured."""
 import ctypes
 import ctypes.util
 import time
@@ -13,12 +14,12 @@ from torch import nn
 from tqdm import tqdm
 
 from llmc.calib.data import CalibrationSet
+from llmc.calib.layer import COMPUTE_DTYPE, LayerRunner, LayerWork, Stage, recording
 from llmc.models.checkpoint import CheckpointReader
 from llmc.models.families import Family
 from llmc.quant.qtypes import QuantizedWeight
-from llmc.quant.stages import assign_linears
+from llmc.quant.stages import assign_linears, formats_of
 
-COMPUTE_DTYPE = torch.float32
 EmitLayer = Callable[[str, nn.Module, dict[str, QuantizedWeight]], None]
 
 
@@ -61,30 +62,6 @@ def materialize(layer: nn.Module, reader: CheckpointReader, prefix: str) -> None
     layer.load_state_dict(state, strict=True)
 
 
-class LayerRunner:
-    """Runs one decoder layer over all calibration samples, in batches, with the model's own attention."""
-
-    def __init__(self, skeleton: nn.Module, config, seq_len: int, batch_size: int = 8):
-        rotary = type(skeleton.model.rotary_emb)(config=config)
-        self.position_ids = torch.arange(seq_len).unsqueeze(0)
-        probe = torch.zeros(1, seq_len, config.hidden_size, dtype=COMPUTE_DTYPE)
-        self.position_embeddings = rotary(probe, self.position_ids)
-        self.batch_size = batch_size
-
-    @torch.no_grad()
-    def __call__(self, layer: nn.Module, hidden: torch.Tensor) -> torch.Tensor:
-        outputs = []
-        for batch in hidden.split(self.batch_size):
-            out = layer(
-                batch,
-                attention_mask=None,  # sdpa is causal without a mask; samples have no padding
-                position_ids=self.position_ids,
-                position_embeddings=self.position_embeddings,
-            )
-            outputs.append(out[0] if isinstance(out, tuple) else out)
-        return torch.cat(outputs)
-
-
 def embed(reader: CheckpointReader, family: Family, input_ids: torch.Tensor) -> torch.Tensor:
     weight = reader.tensor(f"{family.embed_tokens}.weight").to(COMPUTE_DTYPE)
     return nn.functional.embedding(input_ids, weight)
@@ -95,7 +72,7 @@ def quantize_layerwise(
     skeleton: nn.Module,
     config,
     family: Family,
-    quantizers: list,
+    stages: list[Stage],
     calibration: CalibrationSet | None,
     emit: EmitLayer,
 ) -> list[LayerReport]:
@@ -110,10 +87,19 @@ def quantize_layerwise(
         prefix = f"{family.layers}.{index}"
         layer = layers[index]
         materialize(layer, reader, prefix)
-        reference = runner(layer, hidden) if runner else None
+        per_stage = assign_linears(stages, layer_linears(layer, prefix))
+        plan = formats_of(stages, per_stage)
+        reference = None
         quantized: dict[str, QuantizedWeight] = {}
-        for quantizer, linears in zip(quantizers, assign_linears(quantizers, layer_linears(layer, prefix))):
-            quantized |= quantizer.quantize_layer(linears)
+        for position, (stage, linears) in enumerate(zip(stages, per_stage)):
+            work = LayerWork(layer, prefix, linears, plan, runner)
+            observed = stage.observed_modules(work) if runner else {}
+            if observed or (runner and position == 0):  # the first pass, before any change, is the reference
+                with recording(observed, stage.record):
+                    outputs = runner(layer, hidden)
+                if position == 0:
+                    reference = outputs
+            quantized |= stage.process(work)
         error = None
         if runner:
             hidden = runner(layer, hidden)

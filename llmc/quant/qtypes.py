@@ -10,6 +10,7 @@ import torch
 from pydantic import BaseModel, ConfigDict, model_validator
 
 Strategy = Literal["tensor", "channel", "group"]
+ActOrder = Literal["static", "group"]
 
 
 class QuantArgs(BaseModel):
@@ -20,11 +21,15 @@ class QuantArgs(BaseModel):
     symmetric: bool = True
     strategy: Strategy = "group"
     group_size: int | None = 128
+    # columns quantized in decreasing Hessian-diagonal order (GPTQ); "group" also regroups them, needing g_idx
+    actorder: ActOrder | None = None
 
     @model_validator(mode="after")
     def _group_size_matches_strategy(self) -> "QuantArgs":
         if self.strategy == "group" and (self.group_size is None or self.group_size <= 0):
             raise ValueError("strategy 'group' needs a positive group_size")
+        if self.actorder == "group" and self.strategy != "group":
+            raise ValueError("actorder 'group' needs strategy 'group'")
         if self.strategy != "group" and self.group_size is not None:
             object.__setattr__(self, "group_size", None)
         return self
@@ -40,7 +45,8 @@ class QuantArgs(BaseModel):
     def describe(self) -> str:
         kind = "sym" if self.symmetric else "asym"
         granularity = f"g{self.group_size}" if self.strategy == "group" else self.strategy
-        return f"int{self.num_bits} {kind} {granularity}"
+        order = f" actorder={self.actorder}" if self.actorder else ""
+        return f"int{self.num_bits} {kind} {granularity}{order}"
 
 
 @dataclass
@@ -49,8 +55,18 @@ class QuantizedWeight:
     scale: torch.Tensor  # [out, 1] channel, [out, in / group_size] group, [1] tensor
     zero_point: torch.Tensor  # int8, shaped like scale; all zero when symmetric
     args: QuantArgs
+    g_idx: torch.Tensor | None = None  # int32 [in]: the group of each input column, when actorder is "group"
+
+    def rows(self, start: int, end: int) -> "QuantizedWeight":
+        """Output rows start:end, e.g. one Linear's share of weights quantized stacked (not for per-tensor scales)."""
+        g_idx = None if self.g_idx is None else self.g_idx.clone()  # own storage: safetensors refuses shared tensors
+        return QuantizedWeight(
+            self.codes[start:end].clone(), self.scale[start:end].clone(), self.zero_point[start:end].clone(), self.args, g_idx
+        )
 
     def dequantize(self) -> torch.Tensor:
+        if self.g_idx is not None:
+            return dequantize_columns(self.codes, self.scale[:, self.g_idx], self.zero_point[:, self.g_idx])
         return dequantize(self.codes, self.scale, self.zero_point, self.args)
 
 
@@ -91,16 +107,26 @@ def compute_qparams(
     return scale, zero_point
 
 
+def quantize_columns(x: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor, args: QuantArgs) -> torch.Tensor:
+    """Elementwise rounding onto the grid; scale and zero_point broadcast against x (e.g. [out, 1] per column)."""
+    codes = torch.round(x.float() / scale.float() + zero_point)
+    return codes.clamp(args.qmin, args.qmax).to(torch.int8)
+
+
+def dequantize_columns(codes: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor) -> torch.Tensor:
+    return (codes.to(scale.dtype) - zero_point.to(scale.dtype)) * scale
+
+
 def quantize(x: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor, args: QuantArgs) -> torch.Tensor:
-    grouped = _grouped(x.float(), args)
-    codes = torch.round(grouped / scale.float().reshape(*grouped.shape[:2], 1) + zero_point.reshape(*grouped.shape[:2], 1))
-    return codes.clamp(args.qmin, args.qmax).to(torch.int8).reshape(x.shape)
+    grouped = _grouped(x, args)
+    shape = (*grouped.shape[:2], 1)
+    return quantize_columns(grouped, scale.reshape(shape), zero_point.reshape(shape), args).reshape(x.shape)
 
 
 def dequantize(codes: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor, args: QuantArgs) -> torch.Tensor:
-    grouped = _grouped(codes, args).to(scale.dtype)
-    shifted = grouped - zero_point.reshape(*grouped.shape[:2], 1).to(scale.dtype)
-    return (shifted * scale.reshape(*grouped.shape[:2], 1)).reshape(codes.shape)
+    grouped = _grouped(codes, args)
+    shape = (*grouped.shape[:2], 1)
+    return dequantize_columns(grouped, scale.reshape(shape), zero_point.reshape(shape)).reshape(codes.shape)
 
 
 def quantize_weight(weight: torch.Tensor, args: QuantArgs, scale_dtype: torch.dtype | None = None) -> QuantizedWeight:

@@ -5,23 +5,37 @@ import torch
 from torch import nn
 
 from llmc.errors import LlmcError
+from llmc.models.families import Family
+from llmc.quant.awq import AWQTransform
+from llmc.quant.gptq import GPTQQuantizer
+from llmc.quant.qtypes import QuantArgs
 from llmc.quant.rtn import RTNQuantizer
 from llmc.quant.targets import select
-from llmc.recipe import Recipe
+from llmc.recipe import AWQStage, GPTQStage, Recipe
 
 FITTING_GROUP_SIZES = (32, 64, 128, 256)
 
 
-def build_quantizers(recipe: Recipe, scale_dtype: torch.dtype) -> list[RTNQuantizer]:
-    return [RTNQuantizer(stage, scale_dtype) for stage in recipe.stages]
+def build_stages(recipe: Recipe, scale_dtype: torch.dtype, family: Family) -> list:
+    def build(stage):
+        if isinstance(stage, AWQStage):
+            return AWQTransform(stage, family)
+        if isinstance(stage, GPTQStage):
+            return GPTQQuantizer(stage, scale_dtype)
+        return RTNQuantizer(stage, scale_dtype)
+
+    return [build(stage) for stage in recipe.stages]
 
 
-def assign_linears(quantizers: list, linears: dict[str, nn.Linear]) -> list[dict[str, nn.Linear]]:
-    """Which Linears each stage quantizes; a Linear belongs to at most one quantizing stage."""
+def assign_linears(stages: list, linears: dict[str, nn.Linear]) -> list[dict[str, nn.Linear]]:
+    """The Linears each stage targets; a Linear is quantized by at most one stage."""
     assigned: dict[str, int] = {}
     per_stage = []
-    for index, quantizer in enumerate(quantizers):
-        chosen = select(linears, quantizer.config.targets, quantizer.config.ignore)
+    for index, stage in enumerate(stages):
+        chosen = select(linears, stage.config.targets, stage.config.ignore)
+        if not stage.quantizes:
+            per_stage.append(chosen)
+            continue
         for name in chosen:
             if name in assigned:
                 raise LlmcError(f"stages {assigned[name]} and {index} both quantize {name}; narrow their targets")
@@ -30,12 +44,17 @@ def assign_linears(quantizers: list, linears: dict[str, nn.Linear]) -> list[dict
     return per_stage
 
 
-def check_group_sizes(quantizers: list, per_stage: list[dict[str, nn.Linear]]) -> None:
+def formats_of(stages: list, per_stage: list[dict[str, nn.Linear]]) -> dict[str, QuantArgs]:
+    """Each quantized Linear's format, from the stages that quantize."""
+    return {name: stage.config.weights for stage, chosen in zip(stages, per_stage) if stage.quantizes for name in chosen}
+
+
+def check_group_sizes(stages: list, per_stage: list[dict[str, nn.Linear]]) -> None:
     problems = []
-    for index, (quantizer, linears) in enumerate(zip(quantizers, per_stage)):
-        args = quantizer.config.weights
-        if args.strategy != "group":
+    for index, (stage, linears) in enumerate(zip(stages, per_stage)):
+        if not stage.quantizes or stage.config.weights.strategy != "group":
             continue
+        args = stage.config.weights
         misfits = {name: linear.in_features for name, linear in linears.items() if linear.in_features % args.group_size}
         if misfits:
             widths = sorted(set(misfits.values()))

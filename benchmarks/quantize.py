@@ -1,0 +1,190 @@
+"""W4A16 (group 64) methods on SmolLM2-135M-Instruct, side by side: perplexity on WikiText-2 (first N windows of
+1,024 tokens), its increase over fp32, quantization wall and CPU time (process start to artifact written, model
+loading included; CPU time is the fairer figure on a shared machine) and the quantizing process's peak RSS.
+Calibration: Spec-Bench's non-MT-bench prompts, the same token windows for every method. Where `llmcompressor`
+is installed its GPTQ and AWQ run on the same model, samples and windows. The depth figure with GPTQ (8 vs 32 layers): `python benchmarks/layerwise_memory.py --stage gptq`.
+
+    python benchmarks/quantize.py [--samples 128] [--seq-len 512] [--windows 40] [--only GPTQ "AWQ clip" ...]
+"""
+import argparse
+import json
+import subprocess
+import sys
+import tempfile
+import time
+from functools import partial
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+DATA = ROOT.parent / "shared" / "data"
+MT_BENCH = {"writing", "roleplay", "reasoning", "math", "coding", "extraction", "stem", "humanities"}
+
+
+def weights(symmetric: bool = True, actorder: str | None = None) -> str:
+    order = f", actorder: {actorder}" if actorder else ""
+    return f"    scheme: {'W4A16' if symmetric else 'W4A16_ASYM'}\n    weights: {{group_size: 64{order}}}\n"
+
+
+AWQ, AWQ_CLIP = "  - type: awq\n", "  - type: awq\n    clip_search: true\n"
+LLMC = {
+    "RTN": "  - type: rtn\n" + weights(),
+    "RTN asym": "  - type: rtn\n" + weights(False),
+    "GPTQ": "  - type: gptq\n" + weights(),
+    "GPTQ act-order": "  - type: gptq\n" + weights(actorder="static"),
+    "GPTQ asym act-order": "  - type: gptq\n" + weights(False, "static"),
+    "AWQ": AWQ + "  - type: rtn\n" + weights(),
+    "AWQ clip": AWQ_CLIP + "  - type: rtn\n" + weights(),
+    "AWQ clip asym": AWQ_CLIP + "  - type: rtn\n" + weights(False),
+    "AWQ+GPTQ": AWQ + "  - type: gptq\n" + weights(actorder="static"),
+}
+LLMCOMPRESSOR = {"llm-compressor GPTQ": ("gptq", True), "llm-compressor GPTQ act-order": ("gptq-static", True),
+                 "llm-compressor AWQ": ("awq", True), "llm-compressor AWQ asym": ("awq", False)}
+
+
+def spec_bench_calibration(folder: Path) -> Path:
+    """Spec-Bench's non-MT-bench prompts (translation, summarization, QA, math reasoning, RAG) as a text jsonl."""
+    path = folder / "spec_bench_calibration.jsonl"
+    with open(DATA / "spec_bench" / "question.jsonl") as source, open(path, "w") as target:
+        for line in source:
+            record = json.loads(line)
+            if record["category"] not in MT_BENCH:
+                target.write(json.dumps({"text": "\n\n".join(record["turns"])}) + "\n")
+    return path
+
+
+# Linux counts the memory a child was forked with in its peak RSS, so a child of this (model-holding) process
+# would report at least our own size: start each command from a small fresh wrapper and read its children's usage
+WRAPPER = (
+    "import json, resource, subprocess, sys; subprocess.run(sys.argv[1:], check=True, stdout=subprocess.DEVNULL); "
+    "usage = resource.getrusage(resource.RUSAGE_CHILDREN); print(json.dumps([usage.ru_utime + usage.ru_stime, usage.ru_maxrss]))"
+)
+
+
+def run_measured(command: list[str]) -> tuple[float, float, float]:
+    """Wall seconds, CPU seconds and peak RSS (MiB) of one command."""
+    started = time.perf_counter()
+    run = subprocess.run([sys.executable, "-c", WRAPPER, *command], capture_output=True, text=True)
+    seconds = time.perf_counter() - started
+    if run.returncode != 0:
+        raise RuntimeError(f"{' '.join(command)} failed:\n{run.stderr[-3000:]}")
+    cpu, peak_kib = json.loads(run.stdout.strip().splitlines()[-1])
+    return seconds, cpu, peak_kib / 1024
+
+
+def llmc_quantize(folder: Path, name: str, stages: str, model: str, calibration: Path, samples: int, seq_len: int):
+    slug = name.lower().replace(" ", "-").replace("+", "-")
+    recipe = folder / f"{slug}.yaml"
+    recipe.write_text(
+        f"model: {model}\noutput: {folder / slug}\ncalibration:\n  dataset: {calibration}\n  num_samples: {samples}\n"
+        f"  seq_len: {seq_len}\nstages:\n{stages}"
+    )
+    return (folder / slug, *run_measured([sys.executable, "-m", "llmc", "quantize", str(recipe)]))
+
+
+def llmcompressor_worker(model: str, method: str, symmetric: bool, ids_file: str, output: str) -> None:
+    """Runs in its own process: llm-compressor on the same token windows, saved as compressed-tensors."""
+    from datasets import Dataset
+    from llmcompressor import oneshot
+    from llmcompressor.modifiers.awq import AWQModifier
+    from llmcompressor.modifiers.gptq import GPTQModifier
+    from llmcompressor.pipelines.cache import IntermediatesCache
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from llmc.models.spec import resolve_model
+
+    # llm-compressor 0.14's AWQ pins its activation cache, which raises without an accelerator; on CPU pinning
+    # would only speed up host-to-device copies that never happen
+    IntermediatesCache.pin_memory = lambda self, *args, **kwargs: None
+    folder = resolve_model(model)
+    loaded = AutoModelForCausalLM.from_pretrained(folder, dtype="float32")
+    ids = load_file(ids_file)["input_ids"]
+    dataset = Dataset.from_dict({"input_ids": ids.tolist(), "attention_mask": [[1] * ids.shape[1]] * ids.shape[0]})
+    scheme = {"group_0": {"targets": ["Linear"], "weights": {
+        "num_bits": 4, "type": "int", "symmetric": symmetric, "strategy": "group", "group_size": 64,
+        "actorder": "static" if method == "gptq-static" else None}}}
+    if method == "awq":
+        recipe = [AWQModifier(ignore=["lm_head"], config_groups=scheme)]
+    else:
+        recipe = [GPTQModifier(ignore=["lm_head"], config_groups=scheme, actorder="static" if method == "gptq-static" else None)]
+    oneshot(model=loaded, dataset=dataset, recipe=recipe, max_seq_length=ids.shape[1], num_calibration_samples=ids.shape[0])
+    loaded.save_pretrained(output, save_compressed=True)
+    AutoTokenizer.from_pretrained(folder).save_pretrained(output)
+
+
+def llmcompressor_quantize(folder: Path, name: str, model: str, ids_file: Path):
+    method, symmetric = LLMCOMPRESSOR[name]
+    output = folder / name.replace(" ", "-")
+    command = [sys.executable, __file__, "--worker", model, method, str(symmetric), str(ids_file), str(output)]
+    return (output, *run_measured(command))
+
+
+def perplexity_of(target: str, text: str, windows: int) -> float:
+    from llmc.evals.perplexity import perplexity
+    from llmc.models.loading import load_model
+
+    loaded = load_model(target)
+    return perplexity(loaded.model, loaded.tokenizer, text, "wikitext2", 1024, windows, label=target[-40:]).perplexity
+
+
+def quality_table(args) -> list[dict]:
+    import importlib.util
+
+    from safetensors.torch import save_file
+    from transformers import AutoTokenizer
+
+    from llmc.calib.data import load_calibration
+    from llmc.models.spec import resolve_model
+    from llmc.recipe import CalibrationConfig
+
+    text = (DATA / "wikitext-2-raw" / "wiki.test.raw").read_text()
+    rows = [{"method": "fp32", "perplexity": perplexity_of(args.model, text, args.windows), "seconds": None, "cpu": None, "rss": None}]
+    print(json.dumps(rows[0]), flush=True)
+    with tempfile.TemporaryDirectory() as tmp:
+        folder = Path(tmp)
+        calibration = spec_bench_calibration(folder)
+        config = CalibrationConfig(dataset=str(calibration), num_samples=args.samples, seq_len=args.seq_len)
+        ids = load_calibration(config, AutoTokenizer.from_pretrained(resolve_model(args.model))).input_ids
+        save_file({"input_ids": ids.contiguous()}, str(folder / "ids.safetensors"))
+        runs = {name: partial(llmc_quantize, folder, name, LLMC[name], args.model, calibration, args.samples, args.seq_len)
+                for name in LLMC}
+        if importlib.util.find_spec("llmcompressor"):
+            runs |= {name: partial(llmcompressor_quantize, folder, name, args.model, folder / "ids.safetensors")
+                     for name in LLMCOMPRESSOR}
+        for name in args.only or runs:
+            if name not in runs:
+                print(f"{name}: llmcompressor is not installed", file=sys.stderr)
+                continue
+            try:
+                artifact, seconds, cpu, rss = runs[name]()
+            except RuntimeError as error:  # one method failing (e.g. an llm-compressor version quirk) keeps the rest
+                print(f"{name}: {error}", file=sys.stderr)
+                continue
+            rows.append({"method": name, "perplexity": perplexity_of(str(artifact), text, args.windows),
+                         "seconds": seconds, "cpu": cpu, "rss": rss})
+            print(json.dumps(rows[-1]), flush=True)
+    return rows
+
+
+def main() -> None:
+    if sys.argv[1:2] == ["--worker"]:
+        model, method, symmetric, ids_file, output = sys.argv[2:]
+        return llmcompressor_worker(model, method, symmetric == "True", ids_file, output)
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--model", default="smollm2-135m")
+    parser.add_argument("--samples", type=int, default=128)
+    parser.add_argument("--seq-len", type=int, default=512)
+    parser.add_argument("--windows", type=int, default=40)
+    parser.add_argument("--only", nargs="*", choices=[*LLMC, *LLMCOMPRESSOR], help="these methods, in this order")
+    args = parser.parse_args()
+    rows = quality_table(args)
+    base = rows[0]["perplexity"]
+    print(f"\nW4A16 g64, calibration {args.samples} x {args.seq_len} Spec-Bench tokens, WikiText-2 {args.windows} x 1024")
+    print("| method | perplexity | vs fp32 | quantize wall s | quantize CPU s | peak RSS MiB |\n|---|---|---|---|---|---|")
+    for row in rows:
+        cells = ["" if row[key] is None else f"{row[key]:.0f}" for key in ("seconds", "cpu", "rss")]
+        print(f"| {row['method']} | {row['perplexity']:.3f} | {row['perplexity'] / base - 1:+.2%} | {' | '.join(cells)} |")
+
+
+if __name__ == "__main__":
+    main()

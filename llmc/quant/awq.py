@@ -1,0 +1,136 @@
+"""AWQ (Lin et al., 2023). Per scaling pair, the balance Linears' input channels are multiplied by s and the
+preceding norm or Linear's outputs divided by s, so the full-precision model computes the same function while
+salient channels get more of the later quantization's resolution. s = mean|x|^α / mean|w|^(1-α), with α chosen
+on a grid for the smallest error of the block's output once the balance weights are quantized. An optional
+clip search then shrinks each group's range to the value with the smallest output error."""
+import torch
+from torch import nn
+
+from llmc.calib.layer import LayerWork
+from llmc.models.families import Family, ScalingPair
+from llmc.quant.qtypes import QuantArgs, QuantizedWeight, fake_quantize
+from llmc.recipe import AWQStage
+
+CLIP_TOKENS = 512  # evenly spaced calibration tokens for the clip search, as AutoAWQ samples
+
+
+def group_width(args: QuantArgs, columns: int) -> int:
+    return args.group_size if args.strategy == "group" else columns
+
+
+def weight_magnitude(weights: list[torch.Tensor], width: int) -> torch.Tensor:
+    """Mean over output rows of |w| relative to its group's largest |w|: [in]."""
+    stacked = torch.cat(weights).abs()
+    grouped = stacked.reshape(stacked.shape[0], -1, width)
+    return (grouped / (grouped.amax(dim=-1, keepdim=True) + 1e-6)).reshape(stacked.shape).mean(dim=0)
+
+
+def search_clip(weight: torch.Tensor, inputs: torch.Tensor, args: QuantArgs, n_grid: int, max_shrink: float) -> torch.Tensor:
+    """The weight with each (row, group) clipped to the range of smallest quantized output error on `inputs`."""
+    rows, columns = weight.shape
+    width = group_width(args, columns)
+    grouped = weight.reshape(rows, -1, width)
+    samples = inputs.reshape(inputs.shape[0], -1, width)
+    reference = torch.einsum("ngw,ogw->nog", samples, grouped)
+    original_max = grouped.abs().amax(dim=-1, keepdim=True)
+    best_max, best_error = original_max.clone(), torch.full_like(original_max, float("inf"))
+    for step in range(max(1, int(max_shrink * n_grid))):
+        limit = original_max * (1 - step / n_grid)
+        candidate = fake_quantize(grouped.clamp(-limit, limit).reshape(rows, columns), args).reshape(grouped.shape)
+        error = (torch.einsum("ngw,ogw->nog", samples, candidate) - reference).pow(2).mean(dim=0).unsqueeze(-1)
+        better = error < best_error
+        best_error, best_max = torch.where(better, error, best_error), torch.where(better, limit, best_max)
+    return grouped.clamp(-best_max, best_max).reshape(rows, columns)
+
+
+class AWQTransform:
+    quantizes = False
+
+    def __init__(self, config: AWQStage, family: Family):
+        self.config = config
+        self.family = family
+        self.inputs: dict[str, list[torch.Tensor]] = {}
+
+    def pairs(self, work: LayerWork) -> list[ScalingPair]:
+        """The family's pairs whose balance Linears this stage targets and a later stage quantizes, and whose
+        smooth side has as many outputs as the balance side has inputs (v -> o only without grouped KV heads)."""
+        chosen = []
+        for pair in self.family.scaling_pairs:
+            names = [f"{work.prefix}.{name}" for name in pair.balance]
+            if not all(name in work.linears and name in work.plan for name in names):
+                continue
+            smooth = work.layer.get_submodule(pair.smooth)
+            width = smooth.out_features if isinstance(smooth, nn.Linear) else smooth.weight.shape[0]
+            if width == work.linears[names[0]].in_features:
+                chosen.append(pair)
+        return chosen
+
+    def observed_modules(self, work: LayerWork) -> dict[str, nn.Module]:
+        self.inputs = {}
+        return {pair.block: work.layer.get_submodule(pair.block) for pair in self.pairs(work)}
+
+    def record(self, name: str, inputs: torch.Tensor) -> None:
+        self.inputs.setdefault(name, []).append(inputs)
+
+    def process(self, work: LayerWork) -> dict[str, QuantizedWeight]:
+        clip_inputs = []
+        for pair in self.pairs(work):
+            block_inputs = torch.cat(self.inputs.pop(pair.block))
+            scales = self.search_scales(work, pair, block_inputs)
+            fold_scales(work.layer, pair, scales)
+            tokens = block_inputs.reshape(-1, block_inputs.shape[-1])
+            picked = torch.linspace(0, tokens.shape[0] - 1, min(CLIP_TOKENS, tokens.shape[0])).long()
+            clip_inputs.append((pair, tokens[picked] / scales))
+        if self.config.clip_search:
+            for pair, inputs in clip_inputs:
+                for name in pair.balance:
+                    if name not in self.family.no_clip:
+                        linear = work.layer.get_submodule(name)
+                        args = work.plan[f"{work.prefix}.{name}"]
+                        linear.weight.data = search_clip(linear.weight.data, inputs, args, self.config.n_grid, self.config.max_shrink)
+        self.inputs = {}
+        return {}
+
+    @torch.no_grad()
+    def search_scales(self, work: LayerWork, pair: ScalingPair, block_inputs: torch.Tensor) -> torch.Tensor:
+        block = work.layer.get_submodule(pair.block)
+        balance = {name: work.layer.get_submodule(name) for name in pair.balance}
+        formats = {name: work.plan[f"{work.prefix}.{name}"] for name in pair.balance}
+        originals = {name: linear.weight.data.clone() for name, linear in balance.items()}
+
+        def run() -> torch.Tensor:
+            return work.runner(block, block_inputs, positional=pair.block_is_attention)
+
+        reference = run()
+        input_magnitude = block_inputs.abs().reshape(-1, block_inputs.shape[-1]).mean(dim=0)
+        first = formats[pair.balance[0]]
+        weight_mag = weight_magnitude(list(originals.values()), group_width(first, input_magnitude.numel()))
+        best_error, best_scales = float("inf"), torch.ones_like(input_magnitude)
+        for step in range(self.config.n_grid):
+            alpha = step / self.config.n_grid
+            scales = input_magnitude.pow(alpha)
+            if self.config.duo_scaling:
+                scales = scales / (weight_mag.pow(1 - alpha) + 1e-4)
+            scales = scales.clamp(min=1e-4)
+            scales = scales / (scales.max() * scales.min()).sqrt()
+            for name, linear in balance.items():
+                linear.weight.data = fake_quantize(originals[name] * scales, formats[name]) / scales
+            error = float((run() - reference).pow(2).mean())
+            if error < best_error:
+                best_error, best_scales = error, scales
+        for name, linear in balance.items():
+            linear.weight.data = originals[name]
+        return best_scales
+
+
+def fold_scales(layer: nn.Module, pair: ScalingPair, scales: torch.Tensor) -> None:
+    """Divide the smooth side's outputs by s and multiply the balance Linears' inputs by s."""
+    smooth = layer.get_submodule(pair.smooth)
+    if isinstance(smooth, nn.Linear):
+        smooth.weight.data /= scales.unsqueeze(1)
+        if smooth.bias is not None:
+            smooth.bias.data /= scales
+    else:
+        smooth.weight.data /= scales
+    for name in pair.balance:
+        layer.get_submodule(name).weight.data *= scales

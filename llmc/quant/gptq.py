@@ -1,0 +1,163 @@
+"""GPTQ (Frantar et al., 2022): quantize a weight column by column and push each column's rounding error onto the
+columns not yet quantized, weighted by the inverse Hessian of the layer's inputs, H = 2 X Xᵀ / n."""
+import warnings
+
+import torch
+from torch import nn
+
+from llmc.calib.layer import LayerWork
+from llmc.quant.qtypes import (
+    QuantArgs,
+    QuantizedWeight,
+    compute_qparams,
+    dequantize_columns,
+    observe_minmax,
+    quantize_columns,
+)
+from llmc.recipe import GPTQStage
+
+DAMPENING_RETRIES = 5
+
+
+def upper_cholesky_of_inverse(hessian: torch.Tensor, dampening_frac: float, name: str) -> torch.Tensor:
+    """U with Uᵀ U = (H + λI)⁻¹, λ = dampening_frac x mean diagonal, raised tenfold while H + λI is not positive
+    definite. If that never works, the identity: no error propagation, i.e. round-to-nearest."""
+    eye = torch.eye(hessian.shape[0], dtype=hessian.dtype)
+    mean_diagonal = torch.diagonal(hessian).mean()
+    if torch.isfinite(hessian).all():
+        fraction = dampening_frac
+        for _ in range(DAMPENING_RETRIES):
+            lower, info = torch.linalg.cholesky_ex(hessian + fraction * mean_diagonal * eye)
+            if info == 0:
+                upper, info = torch.linalg.cholesky_ex(torch.cholesky_inverse(lower), upper=True)
+                if info == 0 and torch.isfinite(upper).all():
+                    return upper
+            warnings.warn(f"{name}: Hessian not positive definite with dampening {fraction:g}; retrying with {fraction * 10:g}")
+            fraction *= 10
+    warnings.warn(f"{name}: no usable Hessian; quantizing it by round-to-nearest")
+    return eye
+
+
+def gptq_quantize(
+    weight: torch.Tensor,
+    hessian: torch.Tensor,
+    args: QuantArgs,
+    block_size: int = 128,
+    dampening_frac: float = 0.01,
+    scale_dtype: torch.dtype | None = None,
+    name: str = "weight",
+) -> QuantizedWeight:
+    scale_dtype = scale_dtype or weight.dtype
+    work = weight.float().clone()
+    hessian = hessian.float().clone()
+    columns = work.shape[1]
+    # inputs never seen in calibration get no error pushed onto them; their weights are kept (not zeroed), since
+    # real inputs may still use them
+    dead = torch.diagonal(hessian) == 0
+    hessian[dead, dead] = 1
+    grouped = args.strategy == "group"
+    # channel and tensor scales, and groups under static act-order, are fixed from the original weight
+    fixed = compute_qparams(*observe_minmax(work, args), args, scale_dtype) if not grouped or args.actorder == "static" else None
+    order = torch.argsort(torch.diagonal(hessian), descending=True) if args.actorder else torch.arange(columns)
+    work, hessian = work[:, order], hessian[order][:, order]
+    upper = upper_cholesky_of_inverse(hessian, dampening_frac, name)
+    if grouped:
+        block_size = max(args.group_size, block_size // args.group_size * args.group_size)  # whole groups per block
+
+    codes = torch.empty_like(work, dtype=torch.int8)
+    if fixed is not None:  # each column's own scale and zero point, in the permuted order
+        expand = (lambda t: t[:, order // args.group_size]) if grouped else (lambda t: t.reshape(-1, 1).expand(work.shape))
+        column_scales, column_zeros = expand(fixed[0]), expand(fixed[1])
+    reached: list[tuple[torch.Tensor, torch.Tensor]] = []  # group parameters fixed when their first column comes
+    for start in range(0, columns, block_size):
+        end = min(start + block_size, columns)
+        block = work[:, start:end]
+        errors = torch.empty_like(block)
+        for i in range(end - start):
+            column = start + i
+            if fixed is not None:
+                scale, zero_point = column_scales[:, column : column + 1], column_zeros[:, column : column + 1]
+            elif column % args.group_size == 0:
+                reached.append(compute_qparams(*observe_minmax(block[:, i : i + args.group_size], args), args, scale_dtype))
+                scale, zero_point = reached[-1]
+            original = block[:, i : i + 1]
+            quantized = quantize_columns(original, scale, zero_point, args)
+            codes[:, column] = quantized[:, 0]
+            error = (original - dequantize_columns(quantized, scale, zero_point).float()) / upper[column, column]
+            block[:, i:] -= error @ upper[column : column + 1, column:end]
+            errors[:, i] = error[:, 0]
+        work[:, end:] -= errors @ upper[start:end, end:]
+
+    unpermuted = torch.empty_like(codes)
+    unpermuted[:, order] = codes
+    if fixed is not None:
+        return QuantizedWeight(unpermuted, fixed[0], fixed[1], args)
+    scale = torch.cat([s for s, _ in reached], dim=1)
+    zero_point = torch.cat([z for _, z in reached], dim=1)
+    g_idx = None
+    if args.actorder == "group":
+        g_idx = torch.empty(columns, dtype=torch.int32)
+        g_idx[order] = torch.arange(columns, dtype=torch.int32) // args.group_size
+    return QuantizedWeight(unpermuted, scale, zero_point, args, g_idx)
+
+
+class GPTQQuantizer:
+    quantizes = True
+
+    def __init__(self, config: GPTQStage, scale_dtype: torch.dtype):
+        self.config = config
+        self.scale_dtype = scale_dtype
+        self._reset()
+
+    def _reset(self) -> None:
+        self.sums: dict[str, torch.Tensor] = {}
+        self.counts: dict[str, int] = {}
+        self.owner: dict[str, str] = {}  # Linear -> the Linear whose Hessian it shares (q/k/v, gate/up)
+        self.last: tuple[str, torch.Tensor] | None = None
+
+    def observed_modules(self, work: LayerWork) -> dict[str, nn.Module]:
+        self._reset()
+        return dict(work.linears)
+
+    def record(self, name: str, inputs: torch.Tensor) -> None:
+        # Linears fed the very same tensor object, one after the other, share an input and so one Hessian
+        shares = self.last is not None and inputs is self.last[1]
+        self.owner[name] = self.owner[self.last[0]] if shares else self.owner.get(name, name)
+        self.last = (name, inputs)
+        if self.owner[name] != name:
+            return
+        rows = inputs.reshape(-1, inputs.shape[-1]).float()
+        self.sums[name] = self.sums.get(name, 0) + rows.T @ rows
+        self.counts[name] = self.counts.get(name, 0) + rows.shape[0]
+
+    def hessian(self, name: str) -> torch.Tensor:
+        owner = self.owner[name]
+        return 2 * self.sums[owner] / self.counts[owner]
+
+    def input_groups(self, work: LayerWork) -> list[list[str]]:
+        """Linears sharing a Hessian, to quantize as one stacked weight: GPTQ treats rows independently, so that is
+        exact and walks the columns once. Not for per-tensor scales, which stacking would merge."""
+        if self.config.weights.strategy == "tensor":
+            return [[name] for name in work.linears]
+        groups: dict[str, list[str]] = {}
+        for name in work.linears:
+            groups.setdefault(self.owner[name], []).append(name)
+        return list(groups.values())
+
+    def process(self, work: LayerWork) -> dict[str, QuantizedWeight]:
+        results = {}
+        for names in self.input_groups(work):
+            stacked = torch.cat([work.linears[name].weight.data for name in names])
+            quantized = gptq_quantize(
+                stacked, self.hessian(names[0]), self.config.weights, self.config.block_size,
+                self.config.dampening_frac, self.scale_dtype, "+".join(names),
+            )
+            start = 0
+            for name in names:
+                linear = work.linears[name]
+                part = quantized.rows(start, start + linear.out_features)
+                linear.weight.data = part.dequantize().to(linear.weight.dtype)
+                results[name] = part
+                start += linear.out_features
+        self._reset()
+        return results
