@@ -63,3 +63,18 @@ def test_ctrl_c_leaves_no_partial_artifact(tmp_path):
     assert process.returncode == 130, stderr
     assert "interrupted; nothing was written" in stderr
     assert list(tmp_path.iterdir()) == []
+
+
+def test_shipped_recipes_calibration_fits_the_shipped_set():
+    from transformers import AutoTokenizer
+
+    from llmc.calib.data import load_calibration
+    from llmc.models.spec import resolve_model
+    from llmc.recipe import load_recipe
+
+    tokenizer = AutoTokenizer.from_pretrained(resolve_model("smollm2-135m"))
+    for path in sorted(RECIPE.parent.glob("smollm2-*.yaml")):
+        recipe = load_recipe(path)
+        if recipe.calibration is not None:
+            calibration = load_calibration(recipe.calibration, tokenizer)
+            assert calibration.input_ids.shape == (recipe.calibration.num_samples, recipe.calibration.seq_len), path
