@@ -277,16 +277,26 @@ def _describe(error: ValidationError, path: Path, root: yaml.Node | None, overri
     lines = [f"invalid recipe {path}:"]
     for item in error.errors():
         location = [part for part in item["loc"] if part not in STAGE_TYPES and not str(part).startswith("function-")]
+        message = item["msg"].removeprefix("Value error, ")
+        named = [] if location else _path_named_in(message)  # a whole-recipe check names the field it is about
+        location = location or named
         field = ".".join(str(part) for part in location) or "(top level)"
         if any(tuple(location[: len(o)]) == o for o in overridden):
             where = "--set"
         else:
             where = f"line {_line_of(root, location)}"
-        message = item["msg"].removeprefix("Value error, ")
         if item["type"] == "extra_forbidden":
             message = "unknown key"
-        lines.append(f"  {path.name} {where}: {field}: {message}")
+        lines.append(f"  {path.name} {where}: {message}" if named else f"  {path.name} {where}: {field}: {message}")
     return "\n".join(lines)
+
+
+def _path_named_in(message: str) -> list:
+    """`stages.2.weights ...` -> ["stages", 2, "weights"] when the message starts with a recipe field path."""
+    parts = message.split(" ", 1)[0].rstrip(":").split(".")
+    if parts[0] not in Recipe.model_fields:
+        return []
+    return [int(part) if part.isdigit() else part for part in parts]
 
 
 def _line_of(node: yaml.Node | None, location: list) -> int:
