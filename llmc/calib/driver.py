@@ -111,7 +111,8 @@ def quantize_layerwise(
             static_inputs = {name: args for name, args in activations.items() if not args.dynamic}
             with observing_scales(layer, prefix, static_inputs, kv_cache):
                 hidden = runner(layer, hidden)
-            error = float(((hidden - reference) ** 2).sum() / (reference**2).sum().clamp_min(1e-30))
+            if reference is not None:  # None when no stage changes weights (only the KV cache is calibrated)
+                error = float(((hidden - reference) ** 2).sum() / (reference**2).sum().clamp_min(1e-30))
         emit(prefix, layer, quantized)
         layer.to("meta")
         return_freed_memory()
