@@ -181,6 +181,10 @@ class Recipe(StrictModel):
         self._check_export()
         return self
 
+    @property
+    def needs_calibration(self) -> bool:
+        return self.kv_cache is not None or any(stage.needs_calibration for stage in self.stages)
+
     def _check_export(self) -> None:
         formats = {stage.weights for stage in self.stages if isinstance(stage, WEIGHT_STAGES)}
         fmt = self.export.format

@@ -120,3 +120,14 @@ def test_legacy_exports_refuse_activation_quantization(tmp_path, tiny_llama):
     path.write_text(path.read_text() + "export: {format: gptq}\n")
     with pytest.raises(LlmcError, match="export.format gptq: holds int weight-only formats"):
         load_recipe(path)
+
+
+def test_cli_says_dynamic_fp8_is_data_free(tmp_path, tiny_llama):
+    from click.testing import CliRunner
+
+    from llmc.cli import cli
+
+    recipe = write_recipe(tmp_path / "r.yaml", tiny_llama, tmp_path / "art", SCHEMES["fp8-dynamic"][0])
+    result = CliRunner().invoke(cli, ["quantize", str(recipe)])
+    assert result.exit_code == 0, result.output
+    assert "data-free: no stage of r.yaml needs calibration data" in result.output
