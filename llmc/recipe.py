@@ -86,6 +86,12 @@ class GPTQStage(WeightStage):
     block_size: int = Field(128, gt=0)
     dampening_frac: float = Field(0.01, gt=0)
 
+    @model_validator(mode="after")
+    def _no_blocks(self) -> "GPTQStage":
+        if self.weights.strategy == "block":
+            raise ValueError("weights.strategy: GPTQ walks columns and cannot fix 2-D block scales; use type: rtn")
+        return self
+
     @property
     def needs_calibration(self) -> bool:
         return True

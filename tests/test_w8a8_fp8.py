@@ -109,6 +109,7 @@ def test_mixed_formats_are_mixed_precision(tmp_path, tiny_llama, calib_file):
      "line 4: stages.0: input_activations: W8A8 and FP8 need 8-bit weights and activations"),
     ("  - type: rtn\n    scheme: W8A8\n    input_activations: {dynamic: false}\n", "strategy 'token' needs dynamic: true"),
     ("  - type: rtn\n    weights: {num_bits: 4, type: float}\n", "float8 E4M3: num_bits 8"),
+    ("  - type: gptq\n    scheme: FP8_BLOCK\n", "GPTQ walks columns and cannot fix 2-D block scales"),
 ])
 def test_activation_recipe_mistakes(tmp_path, tiny_llama, stages, message):
     with pytest.raises(LlmcError, match=message):
