@@ -72,6 +72,16 @@ def test_kv_cache_composes_with_weight_quantization(tmp_path, tiny_llama, calib_
     assert config["format"] == "float-quantized" and config["kv_cache_scheme"]["num_bits"] == 8
     assert {f"model.layers.{i}.self_attn.{n}" for i in (0, 1) for n in ("k_scale", "v_scale")} <= set(CheckpointReader(artifact).file_of)
     assert load_model(str(artifact)).model.model.layers[0].self_attn.kv_hook is not None
+    from rich.console import Console
+
+    from llmc.artifact.inspect import describe_artifact, print_artifact
+
+    info = describe_artifact(artifact)
+    assert info["input_activations"]["group_0"]["strategy"] == "token" and info["kv_cache_scheme"]["type"] == "float"
+    console = Console(record=True, width=200)
+    print_artifact(info, console)
+    text = console.export_text()
+    assert "float8 token dynamic" in text and "KV cache: float8, one scale per tensor" in text
 
 
 def test_kv_cache_needs_calibration(tmp_path, tiny_llama):
