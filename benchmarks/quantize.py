@@ -1,10 +1,11 @@
-"""W4A16 (group 64) methods on SmolLM2-135M-Instruct, side by side: perplexity on WikiText-2 (first N windows of
+"""W4A16 (group 64) methods, or with --suite w8a8 the 8-bit weight-and-activation formats (W8A8 int8 with and
+without SmoothQuant, FP8 dynamic / static / block) and the FP8 KV cache, on SmolLM2-135M-Instruct, side by side: perplexity on WikiText-2 (first N windows of
 1,024 tokens), its increase over fp32, quantization wall and CPU time (process start to artifact written, model
 loading included; CPU time is the fairer figure on a shared machine) and the quantizing process's peak RSS.
 Calibration: Spec-Bench's non-MT-bench prompts, the same token windows for every method. Where `llmcompressor`
 is installed its GPTQ and AWQ run on the same model, samples and windows. The depth figure with GPTQ (8 vs 32 layers): `python benchmarks/layerwise_memory.py --stage gptq`.
 
-    python benchmarks/quantize.py [--samples 128] [--seq-len 512] [--windows 40] [--only GPTQ "AWQ clip" ...]
+    python benchmarks/quantize.py [--suite w4a16|w8a8] [--samples 128] [--seq-len 512] [--windows 40] [--only GPTQ ...]
 """
 import argparse
 import json
@@ -39,6 +40,24 @@ LLMC = {
 }
 LLMCOMPRESSOR = {"llm-compressor GPTQ": ("gptq", True), "llm-compressor GPTQ act-order": ("gptq-static", True),
                  "llm-compressor AWQ": ("awq", True), "llm-compressor AWQ asym": ("awq", False)}
+W8A8_STAGES = {
+    "naive W8A8": "  - type: rtn\n    scheme: W8A8\n",
+    "SmoothQuant W8A8 a0.5": "  - type: smoothquant\n    alpha: 0.5\n  - type: rtn\n    scheme: W8A8\n",
+    "SmoothQuant W8A8 a0.8": "  - type: smoothquant\n    alpha: 0.8\n  - type: rtn\n    scheme: W8A8\n",
+    "SmoothQuant+GPTQ W8A8": "  - type: smoothquant\n  - type: gptq\n    scheme: W8A8\n",
+    "FP8 dynamic": "  - type: rtn\n    scheme: FP8_DYNAMIC\n",
+    "FP8 static": "  - type: rtn\n    scheme: FP8\n",
+    "FP8 block": "  - type: rtn\n    scheme: FP8_BLOCK\n",
+}
+SUITES = {
+    "w4a16": ({name: f"stages:\n{stages}" for name, stages in LLMC.items()}, LLMCOMPRESSOR),
+    "w8a8": (
+        {name: f"stages:\n{stages}" for name, stages in W8A8_STAGES.items()} | {"fp32 + FP8 KV": "stages: []\nkv_cache: {dtype: fp8}\n"},
+        {"llm-compressor W8A8": ("w8a8", True), "llm-compressor SmoothQuant W8A8 a0.8": ("smoothquant-w8a8", True),
+         "llm-compressor FP8 dynamic": ("fp8-dynamic", True)},
+    ),
+}
+TITLES = {"w4a16": "W4A16 g64", "w8a8": "8-bit weights and activations, FP8 KV cache"}
 
 
 def spec_bench_calibration(folder: Path) -> Path:
@@ -71,12 +90,12 @@ def run_measured(command: list[str]) -> tuple[float, float, float]:
     return seconds, cpu, peak_kib / 1024
 
 
-def llmc_quantize(folder: Path, name: str, stages: str, model: str, calibration: Path, samples: int, seq_len: int):
+def llmc_quantize(folder: Path, name: str, body: str, model: str, calibration: Path, samples: int, seq_len: int):
     slug = name.lower().replace(" ", "-").replace("+", "-")
     recipe = folder / f"{slug}.yaml"
     recipe.write_text(
         f"model: {model}\noutput: {folder / slug}\ncalibration:\n  dataset: {calibration}\n  num_samples: {samples}\n"
-        f"  seq_len: {seq_len}\nstages:\n{stages}"
+        f"  seq_len: {seq_len}\n{body}"
     )
     return (folder / slug, *run_measured([sys.executable, "-m", "llmc", "quantize", str(recipe)]))
 
@@ -87,6 +106,8 @@ def llmcompressor_worker(model: str, method: str, symmetric: bool, ids_file: str
     from llmcompressor import oneshot
     from llmcompressor.modifiers.awq import AWQModifier
     from llmcompressor.modifiers.gptq import GPTQModifier
+    from llmcompressor.modifiers.quantization import QuantizationModifier
+    from llmcompressor.modifiers.smoothquant import SmoothQuantModifier
     from llmcompressor.pipelines.cache import IntermediatesCache
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -105,6 +126,10 @@ def llmcompressor_worker(model: str, method: str, symmetric: bool, ids_file: str
         "actorder": "static" if method == "gptq-static" else None}}}
     if method == "awq":
         recipe = [AWQModifier(ignore=["lm_head"], config_groups=scheme)]
+    elif method in ("w8a8", "smoothquant-w8a8", "fp8-dynamic"):
+        smoothing = [SmoothQuantModifier(smoothing_strength=0.8)] if method == "smoothquant-w8a8" else []
+        preset = "FP8_DYNAMIC" if method == "fp8-dynamic" else "W8A8"
+        recipe = smoothing + [QuantizationModifier(targets="Linear", ignore=["lm_head"], scheme=preset)]
     else:
         recipe = [GPTQModifier(ignore=["lm_head"], config_groups=scheme, actorder="static" if method == "gptq-static" else None)]
     oneshot(model=loaded, dataset=dataset, recipe=recipe, max_seq_length=ids.shape[1], num_calibration_samples=ids.shape[0])
@@ -112,8 +137,8 @@ def llmcompressor_worker(model: str, method: str, symmetric: bool, ids_file: str
     AutoTokenizer.from_pretrained(folder).save_pretrained(output)
 
 
-def llmcompressor_quantize(folder: Path, name: str, model: str, ids_file: Path):
-    method, symmetric = LLMCOMPRESSOR[name]
+def llmcompressor_quantize(folder: Path, name: str, model: str, ids_file: Path, methods: dict):
+    method, symmetric = methods[name]
     output = folder / name.replace(" ", "-")
     command = [sys.executable, __file__, "--worker", model, method, str(symmetric), str(ids_file), str(output)]
     return (output, *run_measured(command))
@@ -146,11 +171,12 @@ def quality_table(args) -> list[dict]:
         config = CalibrationConfig(dataset=str(calibration), num_samples=args.samples, seq_len=args.seq_len)
         ids = load_calibration(config, AutoTokenizer.from_pretrained(resolve_model(args.model))).input_ids
         save_file({"input_ids": ids.contiguous()}, str(folder / "ids.safetensors"))
-        runs = {name: partial(llmc_quantize, folder, name, LLMC[name], args.model, calibration, args.samples, args.seq_len)
-                for name in LLMC}
+        ours, theirs = SUITES[args.suite]
+        runs = {name: partial(llmc_quantize, folder, name, body, args.model, calibration, args.samples, args.seq_len)
+                for name, body in ours.items()}
         if importlib.util.find_spec("llmcompressor"):
-            runs |= {name: partial(llmcompressor_quantize, folder, name, args.model, folder / "ids.safetensors")
-                     for name in LLMCOMPRESSOR}
+            runs |= {name: partial(llmcompressor_quantize, folder, name, args.model, folder / "ids.safetensors", theirs)
+                     for name in theirs}
         for name in args.only or runs:
             if name not in runs:
                 print(f"{name}: llmcompressor is not installed", file=sys.stderr)
@@ -171,15 +197,17 @@ def main() -> None:
         model, method, symmetric, ids_file, output = sys.argv[2:]
         return llmcompressor_worker(model, method, symmetric == "True", ids_file, output)
     parser = argparse.ArgumentParser()
+    parser.add_argument("--suite", choices=SUITES, default="w4a16")
     parser.add_argument("--model", default="smollm2-135m")
     parser.add_argument("--samples", type=int, default=128)
     parser.add_argument("--seq-len", type=int, default=512)
     parser.add_argument("--windows", type=int, default=40)
-    parser.add_argument("--only", nargs="*", choices=[*LLMC, *LLMCOMPRESSOR], help="these methods, in this order")
+    every = [name for ours, theirs in SUITES.values() for name in [*ours, *theirs]]
+    parser.add_argument("--only", nargs="*", choices=every, help="these methods (of the suite), in this order")
     args = parser.parse_args()
     rows = quality_table(args)
     base = rows[0]["perplexity"]
-    print(f"\nW4A16 g64, calibration {args.samples} x {args.seq_len} Spec-Bench tokens, WikiText-2 {args.windows} x 1024")
+    print(f"\n{TITLES[args.suite]}, calibration {args.samples} x {args.seq_len} Spec-Bench tokens, WikiText-2 {args.windows} x 1024")
     print("| method | perplexity | vs fp32 | quantize wall s | quantize CPU s | peak RSS MiB |\n|---|---|---|---|---|---|")
     for row in rows:
         cells = ["" if row[key] is None else f"{row[key]:.0f}" for key in ("seconds", "cpu", "rss")]

@@ -28,6 +28,9 @@ def quantize(recipe: Path, output: str | None, overrides: tuple[str, ...], overw
     from llmc.recipe import load_recipe
 
     loaded = load_recipe(recipe, list(overrides), output)
+    if not loaded.needs_calibration:
+        unused = "; its calibration section only measures each layer's output error" if loaded.calibration else ""
+        console.print(f"data-free: no stage of {recipe.name} needs calibration data{unused}")
     artifact = run_quantize(loaded, overwrite)
     console.print(f"[green]wrote[/] {artifact}")
 

@@ -23,7 +23,7 @@ from llmc.models.checkpoint import CheckpointReader
 from llmc.models.families import family_for
 from llmc.models.spec import resolve_model
 from llmc.quant.qtypes import QuantArgs
-from llmc.quant.stages import assign_linears, build_stages, check_group_sizes, formats_of
+from llmc.quant.stages import activations_of, assign_linears, build_stages, check_group_sizes, formats_of
 from llmc.recipe import Recipe
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -37,17 +37,18 @@ def export_dtype(recipe: Recipe, config) -> torch.dtype:
     return getattr(torch, source) if isinstance(source, str) else source
 
 
-def plan_quantization(stages: list, skeleton, family) -> dict[str, QuantArgs]:
-    """Which Linear gets which format, checked for the whole model before any weight is read."""
+def plan_quantization(stages: list, skeleton, family, kv_only: bool = False) -> tuple[dict[str, QuantArgs], dict[str, QuantArgs]]:
+    """Which Linear gets which weight and input-activation format, checked for the whole model before any weight
+    is read."""
     per_stage_all: list[dict] = [{} for _ in stages]
     for index, layer in enumerate(decoder_layers(skeleton, family)):
         for stage_linears, chosen in zip(per_stage_all, assign_linears(stages, layer_linears(layer, f"{family.layers}.{index}"))):
             stage_linears.update(chosen)
     check_group_sizes(stages, per_stage_all)
     plan = formats_of(stages, per_stage_all)
-    if not plan:
+    if not plan and not kv_only:
         raise LlmcError("the recipe's stages target no Linear layer; check their targets and ignore lists")
-    return plan
+    return plan, activations_of(stages, per_stage_all)
 
 
 def run_quantize(recipe: Recipe, overwrite: bool = False) -> Path:
@@ -64,7 +65,7 @@ def run_quantize(recipe: Recipe, overwrite: bool = False) -> Path:
     exporter = exporter_for(recipe)
     stages = build_stages(recipe, exporter.scale_dtype or dtype, family)
     skeleton = build_skeleton(AutoConfig.from_pretrained(folder))
-    plan = plan_quantization(stages, skeleton, family)
+    plan, activations = plan_quantization(stages, skeleton, family, kv_only=not recipe.stages)
     calibration = load_calibration(recipe.calibration, tokenizer) if recipe.calibration else None
     timings["prepare_s"] = time.perf_counter() - started
 
@@ -73,14 +74,15 @@ def run_quantize(recipe: Recipe, overwrite: bool = False) -> Path:
         num_layers = len(decoder_layers(skeleton, family))
         writer = ShardWriter(staging, num_layers + 1, dtype, exporter.tensors)
         started = time.perf_counter()
-        reports = quantize_layerwise(reader, skeleton, config, family, stages, calibration, writer.write_layer)
+        kv_cache = recipe.kv_cache.args if recipe.kv_cache else None
+        reports = quantize_layerwise(reader, skeleton, config, family, stages, calibration, writer.write_layer, kv_cache)
         rest = reader.tensors([name for name in reader.file_of if not name.startswith(f"{family.layers}.")])
         rest = {name: tensor.to(dtype) for name, tensor in rest.items()}
         writer.write(rest)
         writer.write_index()
         timings["quantize_s"] = time.perf_counter() - started
         all_linears = [name for name, module in skeleton.named_modules() if isinstance(module, torch.nn.Linear)]
-        quantization = exporter.config(plan, all_linears)
+        quantization = exporter.config(plan, all_linears, activations)
         _write_config(folder, staging, quantization, dtype)
         for name in exporter.extra_files:
             (staging / name).write_text(json.dumps(quantization, indent=2, sort_keys=True) + "\n")
@@ -95,7 +97,8 @@ def run_quantize(recipe: Recipe, overwrite: bool = False) -> Path:
             "model": recipe.model,
             "libraries": {name: version(name) for name in LIBRARIES} | {"python": platform.python_version()},
             "export_dtype": str(dtype).removeprefix("torch."),
-            "stages": [{"type": stage.type} | ({"weights": stage.weights.describe()} if hasattr(stage, "weights") else {}) for stage in recipe.stages],
+            "stages": [_describe_stage(stage) for stage in recipe.stages],
+            "kv_cache": None if recipe.kv_cache is None else recipe.kv_cache.model_dump(),
             "calibration": None if calibration is None else {
                 "dataset": calibration.source,
                 "num_samples": calibration.input_ids.shape[0],
@@ -107,6 +110,15 @@ def run_quantize(recipe: Recipe, overwrite: bool = False) -> Path:
             "eval": evals,
         })
     return output
+
+
+def _describe_stage(stage) -> dict:
+    described = {"type": stage.type}
+    if hasattr(stage, "weights"):
+        described["weights"] = stage.weights.describe()
+        if stage.input_activations is not None:
+            described["input_activations"] = stage.input_activations.describe()
+    return described
 
 
 def _write_config(source: Path, staging: Path, quantization: dict, dtype: torch.dtype) -> None:

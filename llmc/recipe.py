@@ -1,14 +1,14 @@
 """The recipe: one YAML file that drives the whole pipeline, validated by pydantic with errors that name the
 field path and the YAML line."""
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from llmc.errors import LlmcError
 from llmc.quant.qtypes import QuantArgs
-from llmc.quant.schemes import resolve_weight_args
+from llmc.quant.schemes import resolve_activation_args, resolve_weight_args
 
 
 class StrictModel(BaseModel):
@@ -31,6 +31,7 @@ class WeightStage(StrictModel):
 
     scheme: str | None = None
     weights: QuantArgs = QuantArgs()
+    input_activations: QuantArgs | None = None  # W8A8 / FP8: the Linears' inputs are quantized too
     targets: list[str] = ["Linear"]
     ignore: list[str] = []
 
@@ -39,9 +40,35 @@ class WeightStage(StrictModel):
     def _apply_scheme(cls, data: Any) -> Any:
         if isinstance(data, dict) and data.get("scheme") is not None:
             weights = data.get("weights") or {}
-            if isinstance(weights, dict):
-                data = {**data, "weights": resolve_weight_args(data["scheme"], weights)}
+            activations = data.get("input_activations")
+            if isinstance(weights, dict) and isinstance(activations, dict | None):
+                data = {
+                    **data,
+                    "weights": resolve_weight_args(data["scheme"], weights),
+                    "input_activations": resolve_activation_args(data["scheme"], activations),
+                }
         return data
+
+    @model_validator(mode="after")
+    def _activation_format(self) -> "WeightStage":
+        acts = self.input_activations
+        if self.weights.dynamic:
+            raise ValueError("weights.dynamic: weights are quantized once, only input_activations can be dynamic")
+        if self.weights.strategy == "token":
+            raise ValueError("weights.strategy: 'token' is for input_activations; use channel")
+        if acts is None:
+            return self
+        if not acts.symmetric or acts.strategy in ("channel", "block") or acts.actorder:
+            raise ValueError("input_activations: symmetric, with strategy token, group (dynamic) or tensor")
+        if acts.strategy == "group" and not acts.dynamic:
+            raise ValueError("input_activations.dynamic: per-token-group scales exist only at run time; set it true")
+        if acts.num_bits != 8 or self.weights.num_bits != 8:
+            raise ValueError("input_activations: W8A8 and FP8 need 8-bit weights and activations")
+        return self
+
+    @property
+    def needs_calibration(self) -> bool:
+        return self.input_activations is not None and not self.input_activations.dynamic
 
 
 class RTNStage(WeightStage):
@@ -59,6 +86,16 @@ class GPTQStage(WeightStage):
     block_size: int = Field(128, gt=0)
     dampening_frac: float = Field(0.01, gt=0)
 
+    @model_validator(mode="after")
+    def _no_blocks(self) -> "GPTQStage":
+        if self.weights.strategy == "block":
+            raise ValueError("weights.strategy: GPTQ walks columns and cannot fix 2-D block scales; use type: rtn")
+        return self
+
+    @property
+    def needs_calibration(self) -> bool:
+        return True
+
 
 class AWQStage(StrictModel):
     """Scales each (norm or Linear) -> Linears pair so that a later stage's quantization loses less; quantizes
@@ -71,11 +108,38 @@ class AWQStage(StrictModel):
     duo_scaling: bool = True
     clip_search: bool = False
     max_shrink: float = Field(0.5, gt=0, lt=1)  # the clip search tries ranges down to (1 - max_shrink) x max
+    needs_calibration: ClassVar[bool] = True
 
 
-Stage = Annotated[RTNStage | GPTQStage | AWQStage, Field(discriminator="type")]
+class SmoothQuantStage(StrictModel):
+    """Moves activation outliers into the weights: per scaling pair, s_j = max|x_j|^alpha / max|w_j|^(1-alpha)
+    divides the preceding norm (or Linear) and multiplies the balance Linears' input columns, so the model in full
+    precision is unchanged and a later W8A8 stage quantizes smoother activations; quantizes nothing itself."""
+
+    type: Literal["smoothquant"]
+    alpha: float = Field(0.5, ge=0, le=1)  # smoothing strength: 0 leaves activations, 1 moves all range to weights
+    targets: list[str] = ["Linear"]  # pairs whose every balance Linear matches are smoothed
+    ignore: list[str] = []
+    needs_calibration: ClassVar[bool] = True
+
+
+class KVCacheConfig(StrictModel):
+    """Keys and values quantized as the attention stores them, with scales calibrated per layer: one per tensor,
+    or one per KV head."""
+
+    dtype: Literal["fp8", "int8"] = "fp8"
+    strategy: Literal["tensor", "head"] = "tensor"
+
+    @property
+    def args(self) -> QuantArgs:
+        strategy = "tensor" if self.strategy == "tensor" else "channel"  # heads lie on dim 0 of [heads, -1]
+        return QuantArgs(num_bits=8, type="float" if self.dtype == "fp8" else "int", strategy=strategy)
+
+
+Stage = Annotated[RTNStage | GPTQStage | AWQStage | SmoothQuantStage, Field(discriminator="type")]
 WEIGHT_STAGES = (RTNStage, GPTQStage)
-STAGE_TYPES = ("rtn", "gptq", "awq")
+TRANSFORM_STAGES = (AWQStage, SmoothQuantStage)
+STAGE_TYPES = ("rtn", "gptq", "awq", "smoothquant")
 
 
 class PerplexityEval(StrictModel):
@@ -139,23 +203,33 @@ class Recipe(StrictModel):
     model: str = "smollm2-135m"
     output: str
     calibration: CalibrationConfig | None = None
-    stages: list[Stage] = Field(min_length=1)
+    stages: list[Stage]  # may be empty when only the KV cache is quantized
+    kv_cache: KVCacheConfig | None = None
     eval: EvalConfig = EvalConfig()
     export: ExportConfig = ExportConfig()
 
     @model_validator(mode="after")
     def _stage_order_and_data(self) -> "Recipe":
+        if not self.stages and self.kv_cache is None:
+            raise ValueError("stages: list at least one stage (an empty list needs a kv_cache section)")
         for index, stage in enumerate(self.stages):
-            if isinstance(stage, AWQStage):
+            if isinstance(stage, TRANSFORM_STAGES):
                 before, after = self.stages[:index], self.stages[index + 1 :]
                 if any(isinstance(s, WEIGHT_STAGES) for s in before):
-                    raise ValueError(f"stages.{index} (awq) must come before the stages that quantize (rtn, gptq)")
+                    raise ValueError(f"stages.{index} ({stage.type}) must come before the stages that quantize (rtn, gptq)")
                 if not any(isinstance(s, WEIGHT_STAGES) for s in after):
-                    raise ValueError(f"stages.{index} (awq) must be followed by a stage that quantizes (rtn or gptq)")
-            if isinstance(stage, (AWQStage, GPTQStage)) and self.calibration is None:
-                raise ValueError(f"stages.{index} ({stage.type}) needs a calibration section")
+                    raise ValueError(f"stages.{index} ({stage.type}) must be followed by a stage that quantizes (rtn or gptq)")
+            if stage.needs_calibration and self.calibration is None:
+                reason = "static input_activations need calibrated scales" if isinstance(stage, RTNStage) else "it observes data"
+                raise ValueError(f"stages.{index} ({stage.type}) needs a calibration section: {reason}")
+        if self.kv_cache is not None and self.calibration is None:
+            raise ValueError("kv_cache needs a calibration section: k_scale and v_scale are calibrated")
         self._check_export()
         return self
+
+    @property
+    def needs_calibration(self) -> bool:
+        return self.kv_cache is not None or any(stage.needs_calibration for stage in self.stages)
 
     def _check_export(self) -> None:
         formats = {stage.weights for stage in self.stages if isinstance(stage, WEIGHT_STAGES)}
@@ -168,6 +242,11 @@ class Recipe(StrictModel):
                 )
         if fmt == "compressed-tensors":
             return
+        for index, stage in enumerate(self.stages):
+            if isinstance(stage, WEIGHT_STAGES) and (stage.input_activations or stage.weights.type == "float"):
+                raise ValueError(f"export.format {fmt}: holds int weight-only formats; stages.{index} needs compressed-tensors")
+        if self.kv_cache is not None:
+            raise ValueError(f"export.format {fmt}: cannot hold kv_cache scales; use compressed-tensors")
         if len(formats) > 1:
             raise ValueError(f"export.format {fmt}: its config holds one weight format, the stages use {len(formats)}")
         args = next(iter(formats))
@@ -258,16 +337,26 @@ def _describe(error: ValidationError, path: Path, root: yaml.Node | None, overri
     lines = [f"invalid recipe {path}:"]
     for item in error.errors():
         location = [part for part in item["loc"] if part not in STAGE_TYPES and not str(part).startswith("function-")]
+        message = item["msg"].removeprefix("Value error, ")
+        named = [] if location else _path_named_in(message)  # a whole-recipe check names the field it is about
+        location = location or named
         field = ".".join(str(part) for part in location) or "(top level)"
         if any(tuple(location[: len(o)]) == o for o in overridden):
             where = "--set"
         else:
             where = f"line {_line_of(root, location)}"
-        message = item["msg"].removeprefix("Value error, ")
         if item["type"] == "extra_forbidden":
             message = "unknown key"
-        lines.append(f"  {path.name} {where}: {field}: {message}")
+        lines.append(f"  {path.name} {where}: {message}" if named else f"  {path.name} {where}: {field}: {message}")
     return "\n".join(lines)
+
+
+def _path_named_in(message: str) -> list:
+    """`stages.2.weights ...` -> ["stages", 2, "weights"] when the message starts with a recipe field path."""
+    parts = message.split(" ", 1)[0].rstrip(":").split(".")
+    if parts[0] not in Recipe.model_fields:
+        return []
+    return [int(part) if part.isdigit() else part for part in parts]
 
 
 def _line_of(node: yaml.Node | None, location: list) -> int:

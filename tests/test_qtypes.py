@@ -75,3 +75,43 @@ def test_bad_formats_rejected():
         QuantArgs(num_bits=3)
     with pytest.raises(ValidationError, match="positive group_size"):
         QuantArgs(strategy="group", group_size=0)
+
+
+FP8_FORMATS = [
+    QuantArgs(num_bits=8, type="float", strategy="tensor"),
+    QuantArgs(num_bits=8, type="float", strategy="channel"),
+    QuantArgs(num_bits=8, type="float", strategy="block", block_structure=(16, 32)),
+]
+
+
+@pytest.mark.parametrize("args", FP8_FORMATS, ids=lambda a: a.describe())
+def test_fp8_agrees_with_compressed_tensors(args):
+    w = weight(seed=4)
+    ct_args = to_ct_args(args)
+    ct_scale, _ = calculate_qparams(*observe_minmax(w, args), ct_args)
+    ours = quantize_weight(w, args, torch.float32)
+    assert ours.codes.dtype == torch.float8_e4m3fn and ours.scale.shape == ((1,) if args.strategy == "tensor" else ct_scale.shape)
+    torch.testing.assert_close(ours.scale, ct_scale.reshape(ours.scale.shape))
+    theirs = ct_quantize(w, ct_scale, None, ct_args, dtype=torch.float8_e4m3fn)
+    assert torch.equal(ours.codes.float(), theirs.float())
+    torch.testing.assert_close(ours.dequantize(), ct_dequantize(theirs, ct_scale, None, ct_args).float())
+
+
+def test_fp8_blocks_pad_ragged_edges():
+    w = weight(out=40, cols=72, seed=5)
+    q = quantize_weight(w, QuantArgs(num_bits=8, type="float", strategy="block", block_structure=(16, 32)))
+    assert q.scale.shape == (3, 3) and q.codes.shape == (40, 72)
+    assert float(q.scale[2, 2]) == pytest.approx(float(w[32:, 64:].abs().max()) / 448, rel=1e-6)
+    assert (q.dequantize() - w).abs().max() <= w.abs().max() / 16  # E4M3 keeps 3 mantissa bits
+
+
+def test_dynamic_activation_scales_per_token_and_group():
+    from llmc.quant.qtypes import quantize_activation
+
+    x = torch.randn(2, 3, 80, generator=torch.Generator().manual_seed(6))
+    codes, scale = quantize_activation(x, QuantArgs(num_bits=8, strategy="token", dynamic=True))
+    torch.testing.assert_close(scale.reshape(-1), x.reshape(6, 80).abs().amax(-1) / 127.5)
+    groups = QuantArgs(num_bits=8, type="float", strategy="group", group_size=32, dynamic=True)
+    codes, scale = quantize_activation(x, groups)
+    assert codes.shape == (6, 80) and scale.shape == (6, 3)  # the last group holds 16 features
+    torch.testing.assert_close(scale[:, 2], x.reshape(6, 80)[:, 64:].abs().amax(-1) / 448)

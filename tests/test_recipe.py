@@ -66,7 +66,7 @@ def test_bad_value_names_path_and_line(tmp_path):
 
 
 def test_unknown_top_level_section(tmp_path):
-    assert "line 10: kv_cache: unknown key" in error_of(write(tmp_path, GOOD + "kv_cache: {dtype: fp8}\n"))
+    assert "line 10: kv_cahce: unknown key" in error_of(write(tmp_path, GOOD + "kv_cahce: {dtype: fp8}\n"))
 
 
 def test_unknown_stage_type(tmp_path):

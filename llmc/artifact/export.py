@@ -8,7 +8,7 @@ from typing import Callable
 import torch
 
 from llmc.artifact.awq_format import awq_config, awq_tensors
-from llmc.artifact.compressed_tensors import pack_quantized_tensors, quantization_config
+from llmc.artifact.compressed_tensors import compressed_tensors_tensors, quantization_config
 from llmc.artifact.gptq_format import gptq_config, gptq_tensors
 from llmc.quant.qtypes import QuantArgs, QuantizedWeight
 from llmc.recipe import GPTQStage, Recipe
@@ -19,7 +19,8 @@ LEGACY_SCALE_DTYPE = torch.float16  # both legacy layouts store fp16 scales: qua
 @dataclass
 class Exporter:
     tensors: Callable[[str, QuantizedWeight], dict[str, torch.Tensor]]
-    config: Callable[[dict[str, QuantArgs], list[str]], dict]  # (plan, every Linear) -> quantization_config
+    # (plan, every Linear, input-activation formats) -> quantization_config
+    config: Callable[[dict[str, QuantArgs], list[str], dict[str, QuantArgs]], dict]
     scale_dtype: torch.dtype | None = None  # None: the export dtype
     extra_files: list[str] = field(default_factory=list)  # files that repeat the quantization_config
 
@@ -27,15 +28,16 @@ class Exporter:
 def exporter_for(recipe: Recipe) -> Exporter:
     export = recipe.export
     if export.format == "compressed-tensors":
-        return Exporter(pack_quantized_tensors, quantization_config)
+        kv_cache = recipe.kv_cache.args if recipe.kv_cache else None
+        return Exporter(compressed_tensors_tensors, partial(quantization_config, kv_cache=kv_cache))
     if export.format == "awq":
-        def config(plan: dict[str, QuantArgs], all_linears: list[str]) -> dict:
+        def config(plan: dict[str, QuantArgs], all_linears: list[str], activations: dict) -> dict:
             return awq_config(next(iter(plan.values()))) | {"modules_to_not_convert": _skipped(plan, all_linears) or None}
 
         return Exporter(awq_tensors, config, LEGACY_SCALE_DTYPE)
     dampening = next((stage.dampening_frac for stage in recipe.stages if isinstance(stage, GPTQStage)), None)
 
-    def config(plan: dict[str, QuantArgs], all_linears: list[str]) -> dict:
+    def config(plan: dict[str, QuantArgs], all_linears: list[str], activations: dict) -> dict:
         # GPTQModel's per-module override: "-:<regex>" leaves a module unquantized
         skipped = {f"-:^{re.escape(name)}$": {} for name in _skipped(plan, all_linears)}
         return gptq_config(next(iter(plan.values())), export.checkpoint_format, dampening) | {"dynamic": skipped or None}

@@ -24,6 +24,10 @@ def describe_artifact(folder: Path) -> dict:
         "num_layers": config.get("num_hidden_layers"),
         "format": quantization.get("format"),
         "config_groups": {name: group["weights"] for name, group in quantization.get("config_groups", {}).items()},
+        "input_activations": {
+            name: group.get("input_activations") for name, group in quantization.get("config_groups", {}).items()
+        },
+        "kv_cache_scheme": quantization.get("kv_cache_scheme"),
         "ignore": quantization.get("ignore", []),
         "weights_bytes": size,
         "manifest": manifest,
@@ -35,11 +39,16 @@ def print_artifact(info: dict, console: Console) -> None:
     console.print(f"[bold]{info['path']}[/]  {info['architecture']}, {info['num_layers']} layers, "
                   f"{info['weights_bytes'] / 2**20:.1f} MiB of weights, format {info['format']}")
     console.print(f"model {manifest['model']}, llmc {manifest['llmc_version']}, created {manifest['created']}")
-    groups = Table("group", "bits", "type", "symmetric", "strategy", "group size", title="quantization")
+    groups = Table("group", "bits", "type", "symmetric", "strategy", "group size", "input activations", title="quantization")
     for name, weights in info["config_groups"].items():
+        acts = info["input_activations"][name]
+        activations = f"{acts['type']}{acts['num_bits']} {acts['strategy']} {'dynamic' if acts['dynamic'] else 'static'}" if acts else "-"
         groups.add_row(name, str(weights["num_bits"]), weights["type"], str(weights["symmetric"]),
-                       weights["strategy"], str(weights.get("group_size") or "-"))
+                       weights["strategy"], str(weights.get("group_size") or "-"), activations)
     console.print(groups)
+    kv = info["kv_cache_scheme"]
+    if kv:
+        console.print(f"KV cache: {kv['type']}{kv['num_bits']}, one scale per {'head' if kv['strategy'] == 'attn_head' else 'tensor'}")
     console.print(f"left in full precision: {', '.join(info['ignore']) or 'nothing'}")
     calibration = manifest.get("calibration")
     console.print("calibration: " + (f"{calibration['num_samples']} x {calibration['seq_len']} tokens of "

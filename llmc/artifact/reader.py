@@ -1,5 +1,6 @@
-"""Reading an artifact back: packed Linears (compressed-tensors, or the legacy GPTQ and AWQ layouts) are unpacked
-and dequantized with llmc's own arithmetic."""
+"""Reading an artifact back: quantized Linears (compressed-tensors, or the legacy GPTQ and AWQ layouts) are unpacked
+and dequantized with llmc's own arithmetic; what quantizes activations and the KV cache at run time (formats,
+static input scales, k_scale / v_scale) is read alongside for evaluation to emulate."""
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -8,7 +9,7 @@ from typing import Callable
 import torch
 
 from llmc.artifact.awq_format import args_from_awq_config, read_awq_weight
-from llmc.artifact.compressed_tensors import weight_args_from_config
+from llmc.artifact.compressed_tensors import kv_cache_args_from_config, schemes_from_config
 from llmc.artifact.gptq_format import args_from_gptq_config, read_gptq_weight
 from llmc.artifact.pack import unpack_int32
 from llmc.models.checkpoint import CheckpointReader
@@ -17,13 +18,23 @@ from llmc.quant.targets import matches
 
 PACKED_SUFFIX = ".weight_packed"
 QUANT_METHODS = ("compressed-tensors", "gptq", "awq")
+KV_SCALES = ("k_scale", "v_scale")
 
 
 @dataclass
 class Layout:
-    packed_suffix: str  # the tensor that marks a quantized Linear
-    auxiliary: tuple[str, ...]  # the Linear's other tensors, not parameters of a dense model
+    marker: str  # the tensor that marks a quantized Linear; the Linear's other tensors but its bias are not parameters
     read: Callable[[CheckpointReader, str], QuantizedWeight]
+
+
+@dataclass
+class RuntimeQuantization:
+    """What an artifact quantizes at run time: each Linear's input format with its static scale (None when
+    dynamic), and the KV cache's format with each attention module's (k_scale, v_scale)."""
+
+    inputs: dict[str, tuple[QuantArgs, torch.Tensor | None]]
+    kv_cache: QuantArgs | None
+    kv_scales: dict[str, tuple[torch.Tensor, torch.Tensor]]
 
 
 def is_artifact(folder: Path) -> bool:
@@ -35,9 +46,12 @@ def is_artifact(folder: Path) -> bool:
 
 
 def read_quantized_weight(reader: CheckpointReader, name: str, args: QuantArgs) -> QuantizedWeight:
+    scale = reader.tensor(f"{name}.weight_scale")
+    if f"{name}{PACKED_SUFFIX}" not in reader.file_of:  # int-quantized / float-quantized: codes stored as they are
+        zero_point = reader.tensor(f"{name}.weight_zero_point") if not args.symmetric else torch.zeros_like(scale, dtype=torch.int8)
+        return QuantizedWeight(reader.tensor(f"{name}.weight"), scale, zero_point, args)
     out_features, in_features = reader.tensor(f"{name}.weight_shape").tolist()
     codes = unpack_int32(reader.tensor(f"{name}{PACKED_SUFFIX}"), args.num_bits, in_features)
-    scale = reader.tensor(f"{name}.weight_scale")
     if args.symmetric:
         zero_point = torch.zeros_like(scale, dtype=torch.int8)
     else:
@@ -50,31 +64,56 @@ def layout_of(quantization: dict) -> Layout:
     method = quantization["quant_method"]
     if method == "gptq":
         args, checkpoint_format = args_from_gptq_config(quantization), quantization.get("checkpoint_format", "gptq")
-        return Layout(".qweight", ("qzeros", "scales", "g_idx"), lambda r, n: read_gptq_weight(r, n, args, checkpoint_format))
+        return Layout(".qweight", lambda r, n: read_gptq_weight(r, n, args, checkpoint_format))
     if method == "awq":
         args = args_from_awq_config(quantization)
-        return Layout(".qweight", ("qzeros", "scales"), lambda r, n: read_awq_weight(r, n, args))
-    groups = weight_args_from_config(quantization)
+        return Layout(".qweight", lambda r, n: read_awq_weight(r, n, args))
+    schemes = schemes_from_config(quantization)
 
     def read(reader: CheckpointReader, name: str) -> QuantizedWeight:
-        return read_quantized_weight(reader, name, quant_args_of(name, groups))
+        return read_quantized_weight(reader, name, scheme_of(name, schemes)[1])
 
-    return Layout(PACKED_SUFFIX, ("weight_scale", "weight_shape", "weight_zero_point"), read)
+    return Layout(".weight_scale", read)
 
 
 def dense_state_dict(folder: Path, dtype: torch.dtype) -> dict[str, torch.Tensor]:
     config = json.loads((folder / "config.json").read_text())
     layout = layout_of(config["quantization_config"])
     reader = CheckpointReader(folder)
+    quantized = {name.removesuffix(layout.marker) for name in reader.file_of if name.endswith(layout.marker)}
     state = {}
     for name in reader.file_of:
-        if name.endswith(layout.packed_suffix):
-            module = name.removesuffix(layout.packed_suffix)
+        module, leaf = name.rsplit(".", 1)
+        if name.endswith(layout.marker):
             state[f"{module}.weight"] = layout.read(reader, module).dequantize().to(dtype)
-        elif name.rsplit(".", 1)[-1] not in layout.auxiliary:
+        elif (module not in quantized or leaf == "bias") and leaf not in KV_SCALES:
             state[name] = reader.tensor(name).to(dtype)
     return state
 
 
-def quant_args_of(module: str, groups: list[tuple[list[str], QuantArgs]]) -> QuantArgs:
-    return next(args for targets, args in groups if "Linear" in targets or matches(module, torch.nn.Identity(), targets))
+def runtime_quantization(folder: Path) -> RuntimeQuantization:
+    quantization = json.loads((folder / "config.json").read_text())["quantization_config"]
+    if quantization["quant_method"] != "compressed-tensors":
+        return RuntimeQuantization({}, None, {})
+    schemes = schemes_from_config(quantization)
+    reader = CheckpointReader(folder)
+    inputs = {}
+    for name in reader.file_of:
+        if name.endswith(".weight_scale"):
+            module = name.removesuffix(".weight_scale")
+            acts = scheme_of(module, schemes)[2]
+            if acts is not None:
+                inputs[module] = (acts, None if acts.dynamic else reader.tensor(f"{module}.input_scale").float())
+    kv_scales = {
+        name.removesuffix(".k_scale"): (reader.tensor(name).float(), reader.tensor(name.replace(".k_scale", ".v_scale")).float())
+        for name in reader.file_of if name.endswith(".k_scale")
+    }
+    return RuntimeQuantization(inputs, kv_cache_args_from_config(quantization), kv_scales)
+
+
+def scheme_of(name: str, schemes: list[tuple]) -> tuple:
+    return next(scheme for scheme in schemes if _targets_module(name, scheme[0]))
+
+
+def _targets_module(name: str, targets: list[str]) -> bool:
+    return "Linear" in targets or matches(name, torch.nn.Identity(), targets)

@@ -12,7 +12,7 @@ import torch
 from safetensors.torch import save_file
 from torch import nn
 
-from llmc.artifact.compressed_tensors import pack_quantized_tensors
+from llmc.artifact.compressed_tensors import compressed_tensors_tensors
 from llmc.errors import LlmcError
 from llmc.quant.qtypes import QuantizedWeight
 
@@ -41,7 +41,7 @@ def staged_folder(output: Path, overwrite: bool = False):
 class ShardWriter:
     """One safetensors shard per decoder layer plus one for the rest, with the HF index over them."""
 
-    def __init__(self, folder: Path, num_shards: int, dtype: torch.dtype, tensors_of: PackLinear = pack_quantized_tensors):
+    def __init__(self, folder: Path, num_shards: int, dtype: torch.dtype, tensors_of: PackLinear = compressed_tensors_tensors):
         self.folder = folder
         self.num_shards = num_shards
         self.dtype = dtype

@@ -2,11 +2,12 @@
 are read from the checkpoint's safetensors when its turn comes and released after, so peak memory is one layer
 plus the calibration activations whatever the depth. With calibration data each layer's inputs are the previous
 layer's outputs computed with quantized weights, stages that need data see the inputs of the modules they
-observe, and each layer's output error is measured."""
+observe, and each layer's output error is measured. The last pass over each layer also calibrates the static input
+scales and the KV-cache scales."""
 import ctypes
 import ctypes.util
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable
 
 import torch
@@ -15,10 +16,12 @@ from tqdm import tqdm
 
 from llmc.calib.data import CalibrationSet
 from llmc.calib.layer import COMPUTE_DTYPE, LayerRunner, LayerWork, Stage, recording
+from llmc.calib.observers import observing_scales
 from llmc.models.checkpoint import CheckpointReader
 from llmc.models.families import Family
-from llmc.quant.qtypes import QuantizedWeight
-from llmc.quant.stages import assign_linears, formats_of
+from llmc.quant.kvcache import KV_ATTENTION
+from llmc.quant.qtypes import QuantArgs, QuantizedWeight
+from llmc.quant.stages import activations_of, assign_linears, formats_of
 
 EmitLayer = Callable[[str, nn.Module, dict[str, QuantizedWeight]], None]
 
@@ -43,7 +46,7 @@ def build_skeleton(config) -> nn.Module:
     """The model with every parameter on the meta device: structure only, no memory."""
     from transformers import AutoModelForCausalLM
 
-    config._attn_implementation = "sdpa"
+    config._attn_implementation = KV_ATTENTION  # sdpa, with a hook for the KV-cache observer
     with torch.device("meta"):
         return AutoModelForCausalLM.from_config(config, dtype=COMPUTE_DTYPE)
 
@@ -75,6 +78,7 @@ def quantize_layerwise(
     stages: list[Stage],
     calibration: CalibrationSet | None,
     emit: EmitLayer,
+    kv_cache: QuantArgs | None = None,
 ) -> list[LayerReport]:
     layers = decoder_layers(skeleton, family)
     hidden = runner = None
@@ -100,10 +104,15 @@ def quantize_layerwise(
                 if position == 0:
                     reference = outputs
             quantized |= stage.process(work)
+        activations = activations_of(stages, per_stage)
+        quantized = {name: replace(weight, input_activations=activations.get(name)) for name, weight in quantized.items()}
         error = None
         if runner:
-            hidden = runner(layer, hidden)
-            error = float(((hidden - reference) ** 2).sum() / (reference**2).sum().clamp_min(1e-30))
+            static_inputs = {name: args for name, args in activations.items() if not args.dynamic}
+            with observing_scales(layer, prefix, static_inputs, kv_cache):
+                hidden = runner(layer, hidden)
+            if reference is not None:  # None when no stage changes weights (only the KV cache is calibrated)
+                error = float(((hidden - reference) ** 2).sum() / (reference**2).sum().clamp_min(1e-30))
         emit(prefix, layer, quantized)
         layer.to("meta")
         return_freed_memory()

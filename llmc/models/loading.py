@@ -1,13 +1,15 @@
-"""Load any target (model spec or llmc artifact) as a dense transformers model for evaluation."""
+"""Load any target (model spec or llmc artifact) as a dense transformers model for evaluation; an artifact's
+activation and KV-cache quantization is emulated."""
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-from llmc.artifact.reader import dense_state_dict, is_artifact
+from llmc.artifact.reader import dense_state_dict, is_artifact, runtime_quantization
 from llmc.errors import LlmcError
 from llmc.models.spec import resolve_model
+from llmc.quant.emulation import emulate_runtime_quantization
 
 
 @dataclass
@@ -36,4 +38,5 @@ def _load_artifact(folder: Path, dtype: torch.dtype) -> torch.nn.Module:
     if set(missing) - tied or unexpected:
         raise LlmcError(f"artifact {folder} does not match its config: missing {missing[:3]}, unexpected {unexpected[:3]}")
     model.tie_weights()
+    emulate_runtime_quantization(model, runtime_quantization(folder))
     return model.eval()

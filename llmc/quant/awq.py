@@ -43,6 +43,21 @@ def search_clip(weight: torch.Tensor, inputs: torch.Tensor, args: QuantArgs, n_g
     return grouped.clamp(-best_max, best_max).reshape(rows, columns)
 
 
+def scalable_pairs(family: Family, work: LayerWork) -> list[ScalingPair]:
+    """The family's pairs whose balance Linears the stage targets and a later stage quantizes, and whose smooth
+    side has as many outputs as the balance side has inputs (v -> o only without grouped KV heads)."""
+    chosen = []
+    for pair in family.scaling_pairs:
+        names = [f"{work.prefix}.{name}" for name in pair.balance]
+        if not all(name in work.linears and name in work.plan for name in names):
+            continue
+        smooth = work.layer.get_submodule(pair.smooth)
+        width = smooth.out_features if isinstance(smooth, nn.Linear) else smooth.weight.shape[0]
+        if width == work.linears[names[0]].in_features:
+            chosen.append(pair)
+    return chosen
+
+
 class AWQTransform:
     quantizes = False
 
@@ -52,18 +67,7 @@ class AWQTransform:
         self.inputs: dict[str, list[torch.Tensor]] = {}
 
     def pairs(self, work: LayerWork) -> list[ScalingPair]:
-        """The family's pairs whose balance Linears this stage targets and a later stage quantizes, and whose
-        smooth side has as many outputs as the balance side has inputs (v -> o only without grouped KV heads)."""
-        chosen = []
-        for pair in self.family.scaling_pairs:
-            names = [f"{work.prefix}.{name}" for name in pair.balance]
-            if not all(name in work.linears and name in work.plan for name in names):
-                continue
-            smooth = work.layer.get_submodule(pair.smooth)
-            width = smooth.out_features if isinstance(smooth, nn.Linear) else smooth.weight.shape[0]
-            if width == work.linears[names[0]].in_features:
-                chosen.append(pair)
-        return chosen
+        return scalable_pairs(self.family, work)
 
     def observed_modules(self, work: LayerWork) -> dict[str, nn.Module]:
         self.inputs = {}

@@ -1,7 +1,9 @@
 """One description of a quantization format and the arithmetic every algorithm, the packer and the runtime share.
 
-The conventions are compressed-tensors': signed integer codes in [-2^(b-1), 2^(b-1) - 1], symmetric scale
-absmax / ((qmax - qmin) / 2), asymmetric zero points in the signed code range, W = (q - zero_point) * scale.
+The conventions are compressed-tensors': signed integer codes in [-2^(b-1), 2^(b-1) - 1] (or float8 E4M3 values
+in [-448, 448]), symmetric scale absmax / ((qmax - qmin) / 2), asymmetric zero points in the signed code range,
+W = (q - zero_point) * scale. Activations use the same arithmetic on [tokens, features], with scales per token
+(or per token group) computed on the fly when dynamic, or one calibrated scale per tensor when static.
 """
 from dataclasses import dataclass
 from typing import Literal
@@ -9,59 +11,82 @@ from typing import Literal
 import torch
 from pydantic import BaseModel, ConfigDict, model_validator
 
-Strategy = Literal["tensor", "channel", "group"]
+Strategy = Literal["tensor", "channel", "group", "block", "token"]
 ActOrder = Literal["static", "group"]
+FP8_MAX = torch.finfo(torch.float8_e4m3fn).max  # 448
 
 
 class QuantArgs(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     num_bits: Literal[4, 8] = 4
-    type: Literal["int"] = "int"
+    type: Literal["int", "float"] = "int"  # float: float8 E4M3
     symmetric: bool = True
     strategy: Strategy = "group"
     group_size: int | None = 128
+    block_structure: tuple[int, int] | None = None  # strategy block: [rows, columns] of each weight block
+    dynamic: bool = False  # activations: scales computed per input at run time, no calibration
     # columns quantized in decreasing Hessian-diagonal order (GPTQ); "group" also regroups them, needing g_idx
     actorder: ActOrder | None = None
 
     @model_validator(mode="after")
-    def _group_size_matches_strategy(self) -> "QuantArgs":
+    def _fields_match_strategy(self) -> "QuantArgs":
         if self.strategy == "group" and (self.group_size is None or self.group_size <= 0):
             raise ValueError("strategy 'group' needs a positive group_size")
         if self.actorder == "group" and self.strategy != "group":
             raise ValueError("actorder 'group' needs strategy 'group'")
+        if self.type == "float" and (self.num_bits != 8 or not self.symmetric):
+            raise ValueError("type 'float' is float8 E4M3: num_bits 8, symmetric")
+        if self.strategy == "token" and not self.dynamic:
+            raise ValueError("strategy 'token' needs dynamic: true (per-token scales exist only at run time)")
         if self.strategy != "group" and self.group_size is not None:
             object.__setattr__(self, "group_size", None)
+        if self.strategy == "block" and self.block_structure is None:
+            object.__setattr__(self, "block_structure", (128, 128))
+        if self.strategy != "block" and self.block_structure is not None:
+            raise ValueError("block_structure needs strategy 'block'")
         return self
 
     @property
-    def qmin(self) -> int:
-        return -(1 << (self.num_bits - 1))
+    def qmin(self) -> float:
+        return -FP8_MAX if self.type == "float" else -(1 << (self.num_bits - 1))
 
     @property
-    def qmax(self) -> int:
-        return (1 << (self.num_bits - 1)) - 1
+    def qmax(self) -> float:
+        return FP8_MAX if self.type == "float" else (1 << (self.num_bits - 1)) - 1
+
+    @property
+    def code_dtype(self) -> torch.dtype:
+        return torch.float8_e4m3fn if self.type == "float" else torch.int8
 
     def describe(self) -> str:
         kind = "sym" if self.symmetric else "asym"
-        granularity = f"g{self.group_size}" if self.strategy == "group" else self.strategy
+        if self.strategy == "group":
+            granularity = f"g{self.group_size}"
+        elif self.strategy == "block":
+            granularity = "block{}x{}".format(*self.block_structure)
+        else:
+            granularity = self.strategy
         order = f" actorder={self.actorder}" if self.actorder else ""
-        return f"int{self.num_bits} {kind} {granularity}{order}"
+        name = "fp8" if self.type == "float" else f"int{self.num_bits}"
+        return f"{name} {kind} {granularity}{' dynamic' if self.dynamic else ''}{order}"
 
 
 @dataclass
 class QuantizedWeight:
-    codes: torch.Tensor  # int8, same shape as the weight
-    scale: torch.Tensor  # [out, 1] channel, [out, in / group_size] group, [1] tensor
+    codes: torch.Tensor  # int8 or float8_e4m3fn, same shape as the weight
+    scale: torch.Tensor  # [out, 1] channel, [out, in / group_size] group, [out / rows, in / columns] block, [1] tensor
     zero_point: torch.Tensor  # int8, shaped like scale; all zero when symmetric
     args: QuantArgs
     g_idx: torch.Tensor | None = None  # int32 [in]: the group of each input column, when actorder is "group"
+    input_activations: QuantArgs | None = None  # how the Linear's inputs are quantized (W8A8, FP8), if they are
 
     def rows(self, start: int, end: int) -> "QuantizedWeight":
         """Output rows start:end, e.g. one Linear's share of weights quantized stacked (not for per-tensor scales)."""
         g_idx = None if self.g_idx is None else self.g_idx.clone()  # own storage: safetensors refuses shared tensors
         return QuantizedWeight(
-            self.codes[start:end].clone(), self.scale[start:end].clone(), self.zero_point[start:end].clone(), self.args, g_idx
+            self.codes[start:end].clone(), self.scale[start:end].clone(), self.zero_point[start:end].clone(), self.args,
+            g_idx, self.input_activations,
         )
 
     def dequantize(self) -> torch.Tensor:
@@ -70,15 +95,37 @@ class QuantizedWeight:
         return dequantize(self.codes, self.scale, self.zero_point, self.args)
 
 
+def _padded(x: torch.Tensor, rows: int, columns: int) -> torch.Tensor:
+    return torch.nn.functional.pad(x, (0, (-x.shape[1]) % columns, 0, (-x.shape[0]) % rows))
+
+
 def _grouped(x: torch.Tensor, args: QuantArgs) -> torch.Tensor:
-    """View a [out, in] weight so that reductions over the last dim follow the strategy."""
+    """A [out, in] weight (or [tokens, features] activation) laid out so that reductions over the last dim follow
+    the strategy; blocks and a ragged last activation group are zero-padded."""
     if args.strategy == "tensor":
         return x.reshape(1, 1, -1)
-    if args.strategy == "channel":
+    if args.strategy in ("channel", "token"):
         return x.reshape(x.shape[0], 1, x.shape[1])
+    if args.strategy == "block":
+        rows, columns = args.block_structure
+        padded = _padded(x, rows, columns)
+        blocks = padded.reshape(padded.shape[0] // rows, rows, padded.shape[1] // columns, columns)
+        return blocks.transpose(1, 2).reshape(blocks.shape[0], blocks.shape[2], rows * columns)
     if x.shape[1] % args.group_size:
-        raise ValueError(f"group_size {args.group_size} does not divide {x.shape[1]} input columns")
+        if not args.dynamic:
+            raise ValueError(f"group_size {args.group_size} does not divide {x.shape[1]} input columns")
+        x = _padded(x, 1, args.group_size)
     return x.reshape(x.shape[0], x.shape[1] // args.group_size, args.group_size)
+
+
+def _ungrouped(grouped: torch.Tensor, shape: torch.Size, args: QuantArgs) -> torch.Tensor:
+    if args.strategy == "block":
+        rows, columns = args.block_structure
+        blocks = grouped.reshape(grouped.shape[0], grouped.shape[1], rows, columns).transpose(1, 2)
+        return blocks.reshape(grouped.shape[0] * rows, grouped.shape[1] * columns)[: shape[0], : shape[1]]
+    if args.strategy == "group":
+        return grouped.reshape(shape[0], -1)[:, : shape[1]]
+    return grouped.reshape(shape)
 
 
 def observe_minmax(weight: torch.Tensor, args: QuantArgs) -> tuple[torch.Tensor, torch.Tensor]:
@@ -109,6 +156,8 @@ def compute_qparams(
 
 def quantize_columns(x: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor, args: QuantArgs) -> torch.Tensor:
     """Elementwise rounding onto the grid; scale and zero_point broadcast against x (e.g. [out, 1] per column)."""
+    if args.type == "float":
+        return (x.float() / scale.float()).clamp(args.qmin, args.qmax).to(torch.float8_e4m3fn)
     codes = torch.round(x.float() / scale.float() + zero_point)
     return codes.clamp(args.qmin, args.qmax).to(torch.int8)
 
@@ -120,13 +169,13 @@ def dequantize_columns(codes: torch.Tensor, scale: torch.Tensor, zero_point: tor
 def quantize(x: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor, args: QuantArgs) -> torch.Tensor:
     grouped = _grouped(x, args)
     shape = (*grouped.shape[:2], 1)
-    return quantize_columns(grouped, scale.reshape(shape), zero_point.reshape(shape), args).reshape(x.shape)
+    return _ungrouped(quantize_columns(grouped, scale.reshape(shape), zero_point.reshape(shape), args), x.shape, args)
 
 
 def dequantize(codes: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor, args: QuantArgs) -> torch.Tensor:
-    grouped = _grouped(codes, args)
+    grouped = _grouped(codes.to(scale.dtype), args)
     shape = (*grouped.shape[:2], 1)
-    return dequantize_columns(grouped, scale.reshape(shape), zero_point.reshape(shape)).reshape(codes.shape)
+    return _ungrouped(dequantize_columns(grouped, scale.reshape(shape), zero_point.reshape(shape)), codes.shape, args)
 
 
 def quantize_weight(weight: torch.Tensor, args: QuantArgs, scale_dtype: torch.dtype | None = None) -> QuantizedWeight:
@@ -137,3 +186,22 @@ def quantize_weight(weight: torch.Tensor, args: QuantArgs, scale_dtype: torch.dt
 
 def fake_quantize(weight: torch.Tensor, args: QuantArgs) -> torch.Tensor:
     return quantize_weight(weight, args).dequantize().to(weight.dtype)
+
+
+def quantize_activation(
+    x: torch.Tensor, args: QuantArgs, static_scale: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """[..., features] -> codes [tokens, features] and their scale: per token (group) when dynamic, else the
+    calibrated per-tensor scale."""
+    flat = x.reshape(-1, x.shape[-1]).float()
+    if static_scale is None:
+        scale, zero_point = compute_qparams(*observe_minmax(flat, args), args, torch.float32)
+    else:
+        scale, zero_point = static_scale.float().reshape(1), torch.zeros(1, dtype=torch.int8)
+    return quantize(flat, scale, zero_point, args), scale
+
+
+def fake_quantize_activation(x: torch.Tensor, args: QuantArgs, static_scale: torch.Tensor | None = None) -> torch.Tensor:
+    codes, scale = quantize_activation(x, args, static_scale)
+    zero_point = torch.zeros_like(scale, dtype=torch.int8)
+    return dequantize(codes, scale, zero_point, args).reshape(x.shape).to(x.dtype)

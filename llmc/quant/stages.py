@@ -10,8 +10,9 @@ from llmc.quant.awq import AWQTransform
 from llmc.quant.gptq import GPTQQuantizer
 from llmc.quant.qtypes import QuantArgs
 from llmc.quant.rtn import RTNQuantizer
+from llmc.quant.smoothquant import SmoothQuantTransform
 from llmc.quant.targets import select
-from llmc.recipe import AWQStage, GPTQStage, Recipe
+from llmc.recipe import AWQStage, GPTQStage, Recipe, SmoothQuantStage
 
 FITTING_GROUP_SIZES = (32, 64, 128, 256)
 
@@ -20,6 +21,8 @@ def build_stages(recipe: Recipe, scale_dtype: torch.dtype, family: Family) -> li
     def build(stage):
         if isinstance(stage, AWQStage):
             return AWQTransform(stage, family)
+        if isinstance(stage, SmoothQuantStage):
+            return SmoothQuantTransform(stage, family)
         if isinstance(stage, GPTQStage):
             return GPTQQuantizer(stage, scale_dtype)
         return RTNQuantizer(stage, scale_dtype)
@@ -47,6 +50,16 @@ def assign_linears(stages: list, linears: dict[str, nn.Linear]) -> list[dict[str
 def formats_of(stages: list, per_stage: list[dict[str, nn.Linear]]) -> dict[str, QuantArgs]:
     """Each quantized Linear's format, from the stages that quantize."""
     return {name: stage.config.weights for stage, chosen in zip(stages, per_stage) if stage.quantizes for name in chosen}
+
+
+def activations_of(stages: list, per_stage: list[dict[str, nn.Linear]]) -> dict[str, QuantArgs]:
+    """The Linears whose inputs are quantized (W8A8, FP8), with the activations' format."""
+    return {
+        name: stage.config.input_activations
+        for stage, chosen in zip(stages, per_stage)
+        if stage.quantizes and stage.config.input_activations is not None
+        for name in chosen
+    }
 
 
 def check_group_sizes(stages: list, per_stage: list[dict[str, nn.Linear]]) -> None:

@@ -4,8 +4,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from llmc.artifact.compressed_tensors import weight_args_from_config
-from llmc.artifact.reader import PACKED_SUFFIX, quant_args_of, read_quantized_weight
+from llmc.artifact.compressed_tensors import schemes_from_config
+from llmc.artifact.reader import read_quantized_weight, scheme_of
 from llmc.models.checkpoint import CheckpointReader
 from llmc.runtime.layers.linear import LinearWeight, build_linear
 
@@ -17,7 +17,7 @@ class WeightLoader:
         self.reader = CheckpointReader(folder)
         self.dtype, self.device = dtype, device
         quantization = json.loads((folder / "config.json").read_text()).get("quantization_config")
-        self.groups = weight_args_from_config(quantization) if quantization else []
+        self.schemes = schemes_from_config(quantization) if quantization else []
 
     def __contains__(self, name: str) -> bool:
         return name in self.reader
@@ -30,6 +30,6 @@ class WeightLoader:
 
     def _linear_weight(self, name: str) -> LinearWeight:
         bias = self.reader.tensor(f"{name}.bias") if f"{name}.bias" in self.reader else None
-        if f"{name}{PACKED_SUFFIX}" in self.reader:
-            return LinearWeight(read_quantized_weight(self.reader, name, quant_args_of(name, self.groups)), bias)
+        if f"{name}.weight_scale" in self.reader:
+            return LinearWeight(read_quantized_weight(self.reader, name, scheme_of(name, self.schemes)[1]), bias)
         return LinearWeight(self.reader.tensor(f"{name}.weight"), bias)

@@ -1,0 +1,40 @@
+"""Calibrated scales taken on a layer's final pass (weights already quantized, what inference will see): per-tensor
+input scales for Linears with static activations, and the KV cache's k_scale / v_scale. They become buffers of
+the modules (`<linear>.input_scale`, `<attention>.k_scale` / `v_scale`), so the artifact writer stores them."""
+from contextlib import contextmanager
+
+import torch
+from torch import nn
+
+from llmc.calib.layer import recording
+from llmc.quant.kvcache import KVObserver
+from llmc.quant.qtypes import QuantArgs, compute_qparams
+
+
+@contextmanager
+def observing_scales(layer: nn.Module, prefix: str, static_inputs: dict[str, QuantArgs], kv_args: QuantArgs | None):
+    """Records during the `with` body, then attaches the scales."""
+    absmax: dict[str, torch.Tensor] = {}
+
+    def record(name: str, inputs: torch.Tensor) -> None:
+        batch_max = inputs.abs().amax()
+        absmax[name] = torch.maximum(absmax[name], batch_max) if name in absmax else batch_max
+
+    linears = {name: layer.get_submodule(name.removeprefix(f"{prefix}.")) for name in static_inputs}
+    attention = layer.get_submodule("self_attn") if kv_args is not None else None
+    if attention is not None:
+        attention.kv_hook = KVObserver(kv_args)
+    try:
+        with recording(linears, record):
+            yield
+    finally:
+        observer = attention.kv_hook if attention is not None else None
+        if attention is not None:
+            del attention.kv_hook
+    for name, linear in linears.items():
+        scale, _ = compute_qparams(-absmax[name], absmax[name], static_inputs[name], torch.float32)
+        linear.register_buffer("input_scale", scale.reshape(1))
+    if observer is not None:
+        k_scale, v_scale = observer.scales()
+        attention.register_buffer("k_scale", k_scale)
+        attention.register_buffer("v_scale", v_scale)

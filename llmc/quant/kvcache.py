@@ -1,0 +1,74 @@
+"""KV-cache quantization: keys and values, as attention stores them (after the rotary embedding), pass through a
+per-module hook before scaled-dot-product attention: an observer during calibration, a quantize-dequantize with
+the calibrated k_scale / v_scale during evaluation. Scales are one per tensor ([1]) or one per KV head
+([heads, 1, 1]), compressed-tensors' `tensor` and `attn_head` strategies."""
+import torch
+from torch import nn
+from transformers import AttentionInterface
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+from llmc.quant.qtypes import QuantArgs, compute_qparams, dequantize, quantize
+
+KV_ATTENTION = "llmc_kv_sdpa"
+
+
+def kv_attention(module: nn.Module, query, key, value, attention_mask, **kwargs):
+    hook = getattr(module, "kv_hook", None)
+    if hook is not None:
+        key, value = hook(key, value)
+    return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+
+
+AttentionInterface.register(KV_ATTENTION, kv_attention)
+AttentionMaskInterface.register(KV_ATTENTION, sdpa_mask)
+
+
+def _by_head(states: torch.Tensor) -> torch.Tensor:
+    """[batch, heads, seq, head_dim] -> [heads, batch * seq * head_dim]."""
+    return states.transpose(0, 1).reshape(states.shape[1], -1)
+
+
+def _flat(states: torch.Tensor, args: QuantArgs) -> torch.Tensor:
+    return _by_head(states) if args.strategy == "channel" else states.reshape(1, -1)
+
+
+def kv_scale(absmax: torch.Tensor, args: QuantArgs) -> torch.Tensor:
+    scale, _ = compute_qparams(-absmax, absmax, args, torch.float32)
+    return scale.reshape(-1, 1, 1) if args.strategy == "channel" else scale
+
+
+def fake_quantize_kv(states: torch.Tensor, scale: torch.Tensor, args: QuantArgs) -> torch.Tensor:
+    flat = _flat(states, args)
+    scale = scale.float().reshape(-1, 1) if args.strategy == "channel" else scale.float().reshape(1)
+    zero_point = torch.zeros_like(scale, dtype=torch.int8)
+    restored = dequantize(quantize(flat, scale, zero_point, args), scale, zero_point, args)
+    if args.strategy == "channel":
+        return restored.reshape(states.shape[1], states.shape[0], *states.shape[2:]).transpose(0, 1).to(states.dtype)
+    return restored.reshape(states.shape).to(states.dtype)
+
+
+class KVObserver:
+    """Running |K| and |V| maxima, per tensor or per KV head."""
+
+    def __init__(self, args: QuantArgs):
+        self.args = args
+        self.absmax: list[torch.Tensor | None] = [None, None]
+
+    def __call__(self, key: torch.Tensor, value: torch.Tensor):
+        for index, states in enumerate((key, value)):
+            batch_max = _flat(states, self.args).abs().amax(dim=-1)
+            current = self.absmax[index]
+            self.absmax[index] = batch_max if current is None else torch.maximum(current, batch_max)
+        return key, value
+
+    def scales(self) -> tuple[torch.Tensor, torch.Tensor]:
+        return kv_scale(self.absmax[0], self.args), kv_scale(self.absmax[1], self.args)
+
+
+class KVFakeQuantizer:
+    def __init__(self, args: QuantArgs, k_scale: torch.Tensor, v_scale: torch.Tensor):
+        self.args, self.k_scale, self.v_scale = args, k_scale, v_scale
+
+    def __call__(self, key: torch.Tensor, value: torch.Tensor):
+        return fake_quantize_kv(key, self.k_scale, self.args), fake_quantize_kv(value, self.v_scale, self.args)
