@@ -197,12 +197,14 @@ class KvSampler:
             await asyncio.sleep(0.01)
 
     def _occupancy(self) -> float:
-        """Computed tokens ÷ slots over the blocks running sequences hold (a shared prefix block counts once)."""
+        """Tokens ÷ slots over the blocks running sequences hold (a shared prefix block counts once). Counted from
+        the sequence's length, not its computed tokens: the sampler runs beside the engine thread and may look
+        between a step's block allocation and its forward."""
         block_size = self.llm.block_manager.block_size
         filled: dict[int, int] = {}
         for seq in list(self.llm.scheduler.running):
             for index, block_id in enumerate(list(seq.block_table)):
-                tokens = min(block_size, max(0, seq.num_computed_tokens - index * block_size))
+                tokens = min(block_size, max(0, len(seq) - index * block_size))
                 filled[block_id] = max(filled.get(block_id, 0), tokens)
         return sum(filled.values()) / (len(filled) * block_size) if filled else 0.0
 
