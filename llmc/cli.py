@@ -75,6 +75,28 @@ def inspect(artifact: Path, as_json: bool) -> None:
         print_artifact(info, console)
 
 
+@cli.command(name="train-draft")
+@click.argument("artifact", type=click.Path(path_type=Path))
+@click.option("--prompts", type=click.Path(path_type=Path), help="JSONL training prompts (default: the project's calib_data set).")
+@click.option("--set", "overrides", multiple=True, metavar="FIELD=VALUE", help="Set a `draft:` field, e.g. --set steps=600.")
+def train_draft_command(artifact: Path, prompts: Path | None, overrides: tuple[str, ...]) -> None:
+    """Train draft heads on ARTIFACT's own answers and store them in ARTIFACT/draft."""
+    import yaml
+    from pydantic import ValidationError
+
+    from llmc.draft.build import train_draft
+    from llmc.recipe import DraftConfig
+
+    fields = dict(override.partition("=")[::2] for override in overrides)
+    fields = {key: yaml.safe_load(value) for key, value in fields.items()} | ({"prompts": str(prompts)} if prompts else {})
+    try:
+        config = DraftConfig.model_validate(fields)
+    except ValidationError as error:
+        raise LlmcError("; ".join(f"draft.{'.'.join(map(str, item['loc']))}: {item['msg']}" for item in error.errors())) from None
+    folder = train_draft(artifact, config)
+    console.print(f"[green]wrote[/] {folder}")
+
+
 def engine_options(command):
     """Options shared by every command that builds an in-process engine."""
     options = [
@@ -85,6 +107,10 @@ def engine_options(command):
         click.option("--max-num-batched-tokens", type=click.IntRange(min=1), default=512, show_default=True),
         click.option("--max-model-len", type=click.IntRange(min=2)),
         click.option("--no-prefix-caching", is_flag=True),
+        click.option("--speculative", default="auto", show_default=True, metavar="auto|off|DRAFT_DIR",
+                     help="Draft heads to decode with: auto uses the artifact's draft/ when it has one."),
+        click.option("--speculative-max-num-seqs", type=click.IntRange(min=0), default=4, show_default=True,
+                     help="Decode without drafts when more sequences than this run at once."),
     ]
     for option in reversed(options):
         command = option(command)
@@ -98,8 +124,20 @@ def require_serve_extra() -> None:
         raise LlmcError(f"{error.name} is not installed: pip install 'llmc-toolchain[serve]'") from None
 
 
+def draft_folder(model: str, speculative: str) -> Path | None:
+    """auto: MODEL/draft when MODEL is an artifact with heads; off: none; else the folder given."""
+    from llmc.draft.store import DRAFT_DIR
+
+    if speculative == "off":
+        return None
+    if speculative == "auto":
+        folder = Path(model) / DRAFT_DIR
+        return folder if (folder / "config.json").is_file() else None
+    return Path(speculative)
+
+
 def build_engine(model: str, dtype: str, kv_cache_gib: float, max_num_seqs: int, max_num_batched_tokens: int,
-                 max_model_len: int | None, no_prefix_caching: bool):
+                 max_model_len: int | None, no_prefix_caching: bool, speculative: str = "off", speculative_max_num_seqs: int = 4):
     import torch
 
     from llmc.runtime.config import EngineConfig
@@ -108,6 +146,7 @@ def build_engine(model: str, dtype: str, kv_cache_gib: float, max_num_seqs: int,
     config = EngineConfig(
         dtype=getattr(torch, dtype), kv_cache_gib=kv_cache_gib, max_num_seqs=max_num_seqs,
         max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len, enable_prefix_caching=not no_prefix_caching,
+        speculative=draft_folder(model, speculative), speculative_max_num_seqs=speculative_max_num_seqs,
     )
     return LLMEngine(model, config)
 
