@@ -37,14 +37,23 @@ def quantize(recipe: Path, output: str | None, overrides: tuple[str, ...], overw
 @click.option("--perplexity", "perplexity_data", metavar="FILE|NAME", help="Text file, or `wikitext2` (hub).")
 @click.option("--seq-len", default=1024, show_default=True, type=click.IntRange(min=2))
 @click.option("--max-windows", default=40, show_default=True, type=click.IntRange(min=1))
+@click.option("--speculative", metavar="auto|DRAFT_DIR", help="Measure speculative decoding with these draft heads (auto: TARGET/draft).")
+@click.option("--prompts", "prompts_file", type=click.Path(path_type=Path), help="JSONL prompts for --speculative (MT-bench `turns`, ...).")
+@click.option("--num-prompts", type=click.IntRange(min=1), default=80, show_default=True)
+@click.option("--max-tokens", type=click.IntRange(min=1), default=128, show_default=True)
+@click.option("--concurrency", type=click.IntRange(min=1), default=1, show_default=True, help="Also compare throughput with this many requests in flight.")
+@click.option("--histogram", type=click.Path(path_type=Path), help="Write the accepted-length histogram here (PNG).")
 @click.option("--json", "as_json", is_flag=True, help="Print results as JSON.")
-def evaluate(targets: tuple[str, ...], perplexity_data: str | None, seq_len: int, max_windows: int, as_json: bool) -> None:
+def evaluate(targets: tuple[str, ...], perplexity_data: str | None, seq_len: int, max_windows: int, speculative: str | None,
+             prompts_file: Path | None, num_prompts: int, max_tokens: int, concurrency: int, histogram: Path | None, as_json: bool) -> None:
     """Evaluate TARGETS (model specs or artifacts) side by side; the first is the baseline."""
+    if speculative is not None:
+        return evaluate_speculative(targets[0], speculative, prompts_file, num_prompts, max_tokens, concurrency, histogram, as_json)
     from llmc.evals.perplexity import load_eval_text, perplexity
     from llmc.models.loading import load_model
 
     if perplexity_data is None:
-        raise LlmcError("nothing to evaluate: pass --perplexity FILE|wikitext2")
+        raise LlmcError("nothing to evaluate: pass --perplexity FILE|wikitext2 or --speculative auto|DRAFT_DIR")
     text = load_eval_text(perplexity_data)
     results = []
     for target in targets:
@@ -58,6 +67,40 @@ def evaluate(targets: tuple[str, ...], perplexity_data: str | None, seq_len: int
     for result in results:
         delta = result["perplexity"] / results[0]["perplexity"] - 1
         table.add_row(result["target"], f"{result['perplexity']:.3f}", f"{delta:+.2%}", str(result["tokens"]))
+    console.print(table)
+
+
+def evaluate_speculative(target: str, speculative: str, prompts_file: Path | None, num_prompts: int, max_tokens: int,
+                         concurrency: int, histogram: Path | None, as_json: bool) -> None:
+    import torch
+    from transformers import AutoTokenizer
+
+    from llmc.evals.speculative import plot_accepted_lengths, speculative_eval
+    from llmc.models.spec import resolve_model
+    from llmc.runtime.bench import load_prompts
+
+    if prompts_file is None:
+        raise LlmcError("--speculative needs --prompts FILE (e.g. MT-bench question.jsonl)")
+    draft = draft_folder(target, speculative)
+    if draft is None:
+        raise LlmcError(f"{target} has no draft heads; train them with `llmc train-draft {target}` or pass their folder")
+    tokenizer = AutoTokenizer.from_pretrained(resolve_model(target))
+    prompts = list(dict.fromkeys(load_prompts(prompts_file, num_prompts, tokenizer, chat_template=True, shared_prefix_tokens=0)))
+    result = speculative_eval(target, draft, prompts, max_tokens, concurrency, torch.bfloat16)
+    if histogram:
+        plot_accepted_lengths(result["accepted_length_histogram"], histogram, f"{target}: accepted length")
+    if as_json:
+        click.echo(json.dumps(result, indent=2))
+        return
+    table = Table("metric", "value", title=f"speculative decoding, {len(prompts)} prompts of {prompts_file}, greedy")
+    table.add_row("mean accepted length", f"{result['mean_accepted_length']:.2f}")
+    table.add_row("acceptance per position", ", ".join(f"{value:.2f}" for value in result["acceptance_per_position"]))
+    table.add_row("identical to plain decoding", f"{result['identical_outputs']} / {len(prompts)}")
+    batch1 = result["batch1"]
+    table.add_row("batch 1 tokens/s plain / speculative", f"{batch1['plain_tokens_per_s']:.1f} / {batch1['speculative_tokens_per_s']:.1f}")
+    table.add_row("batch 1 speed-up", f"x{batch1['speedup']:.2f}")
+    if f"concurrency{concurrency}" in result:
+        table.add_row(f"concurrency {concurrency} speed-up", f"x{result[f'concurrency{concurrency}']['speedup']:.2f}")
     console.print(table)
 
 

@@ -1,14 +1,18 @@
 import json
-import subprocess
-import sys
 
 import pytest
 import torch
+from click.testing import CliRunner
 
 from conftest import write_recipe
+from llmc.artifact.inspect import describe_artifact
+from llmc.cli import cli
+from llmc.draft.build import train_draft
 from llmc.draft.medusa import MedusaHeads, medusa_labels
 from llmc.draft.train import CHECKPOINT, TrainConfig, train
 from llmc.errors import LlmcError
+from llmc.pipeline import run_quantize
+from llmc.recipe import DraftConfig, load_recipe
 
 STAGE = "  - type: rtn\n    scheme: W4A16\n    weights: {group_size: 32}\n"
 
@@ -45,15 +49,25 @@ def test_recipe_draft_trains_heads_into_the_artifact(tmp_path, tiny_llama, calib
     recipe = write_recipe(tmp_path / "r.yaml", tiny_llama, tmp_path / "out", STAGE, calib_file)
     recipe.write_text(recipe.read_text() + f"draft:\n  prompts: {calib_file}\n  num_prompts: 6\n  max_tokens: 24\n"
                       "  num_heads: 2\n  steps: 30\n  batch_size: 32\n")
-    run = subprocess.run([sys.executable, "-m", "llmc", "quantize", str(recipe), "--set", "calibration.num_samples=2"],
-                         capture_output=True, text=True)
-    assert run.returncode == 0, run.stderr
-    draft = tmp_path / "out" / "draft"
-    assert {path.name for path in draft.iterdir()} == {"config.json", "heads.safetensors", "loss.png"}
-    info = json.loads(subprocess.run([sys.executable, "-m", "llmc", "inspect", str(tmp_path / "out"), "--json"],
-                                     capture_output=True, text=True).stdout)
+    artifact = run_quantize(load_recipe(recipe, ["calibration.num_samples=2"]))
+    assert {path.name for path in (artifact / "draft").iterdir()} == {"config.json", "heads.safetensors", "loss.png"}
+    info = describe_artifact(artifact)
     assert info["draft"]["num_heads"] == 2 and info["draft"]["trained_on"]["num_answers"] == 4
     assert "draft/heads.safetensors" in info["manifest"]["files"]
+    histogram = tmp_path / "accepted.png"
+    run = CliRunner().invoke(cli, ["eval", str(artifact), "--speculative", "auto", "--prompts", str(calib_file), "--num-prompts", "2",
+                                   "--max-tokens", "12", "--concurrency", "2", "--histogram", str(histogram), "--json"])
+    assert run.exit_code == 0, run.output
+    result = json.loads(run.output)
+    assert result["num_prompts"] == 2 and result["mean_accepted_length"] >= 1 and histogram.is_file()
+    assert {"batch1", "concurrency2", "acceptance_per_position"} <= set(result)
+
+
+def test_train_draft_needs_an_artifact_and_valid_settings(tmp_path):
+    with pytest.raises(LlmcError, match="not an llmc artifact"):
+        train_draft(tmp_path, DraftConfig())
+    run = CliRunner().invoke(cli, ["train-draft", str(tmp_path), "--set", "steps=0"], standalone_mode=False)
+    assert isinstance(run.exception, LlmcError) and "draft.steps" in str(run.exception)
 
 
 def test_mt_bench_is_refused_as_training_prompts(tmp_path):

@@ -6,9 +6,9 @@ from pathlib import Path
 import torch
 
 from llmc.artifact.writer import MANIFEST, write_manifest
-from llmc.draft.data import self_distill
+from llmc.draft.data import DistillSet, self_distill
 from llmc.draft.medusa import MedusaHeads, medusa_labels
-from llmc.draft.store import DRAFT_DIR, save_draft
+from llmc.draft.store import DRAFT_DIR, save_draft, save_heads
 from llmc.draft.train import TrainConfig, train
 from llmc.errors import LlmcError
 from llmc.recipe import DraftConfig
@@ -20,6 +20,17 @@ def train_draft(artifact: Path, config: DraftConfig) -> Path:
     started = time.perf_counter()
     data = self_distill(artifact, Path(config.prompts), config.num_prompts, config.max_tokens)
     distill_s = time.perf_counter() - started
+    folder = artifact / DRAFT_DIR
+    summary = train_medusa(data, config, folder)
+    summary["train"] |= {"distill_s": round(distill_s, 1), "total_s": round(time.perf_counter() - started, 1)}
+    save_draft(folder, summary)
+    manifest = json.loads((artifact / MANIFEST).read_text())
+    write_manifest(artifact, manifest | {"draft": summary})
+    return folder
+
+
+def train_medusa(data: DistillSet, config: DraftConfig, folder: Path) -> dict:
+    """Train Medusa heads on self-distilled data into folder; returns the summary that goes in its config.json."""
     hidden = torch.cat([h[start - 1 :] for h, start in zip(data.hidden, data.answer_starts)])
     labels = torch.cat([medusa_labels(ids, start - 1, config.num_heads) for ids, start in zip(data.token_ids, data.answer_starts)])
     heads = MedusaHeads(hidden.shape[1], config.num_heads)
@@ -29,7 +40,6 @@ def train_draft(artifact: Path, config: DraftConfig) -> Path:
         rows = torch.randint(len(hidden), (config.batch_size,), generator=generator)
         return heads.loss(hidden[rows], labels[rows], data.lm_head)
 
-    folder = artifact / DRAFT_DIR
     train_config = TrainConfig(steps=config.steps, lr=config.lr, seed=config.seed)
     losses = train(heads, loss_fn, train_config, folder, f"medusa heads ({config.num_heads})")
     with torch.no_grad():
@@ -40,10 +50,8 @@ def train_draft(artifact: Path, config: DraftConfig) -> Path:
         "method": "medusa", "num_heads": config.num_heads, "hidden_size": hidden.shape[1],
         "trained_on": {"prompts": config.prompts, "num_answers": len(data.token_ids), "answer_tokens": data.num_answer_tokens},
         "train": {"steps": config.steps, "batch_size": config.batch_size, "lr": config.lr, "final_loss": losses[-1],
-                  "train_top1_per_head": [round(value, 4) for value in top1.tolist()],
-                  "distill_s": round(distill_s, 1), "total_s": round(time.perf_counter() - started, 1)},
+                  "train_top1_per_head": [round(value, 4) for value in top1.tolist()]},
     }
-    save_draft(folder, heads, summary)
-    manifest = json.loads((artifact / MANIFEST).read_text())
-    write_manifest(artifact, manifest | {"draft": summary})
-    return folder
+    save_heads(folder, heads)
+    save_draft(folder, summary)
+    return summary

@@ -5,6 +5,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from tqdm import tqdm
 
 from llmc.errors import LlmcError
 from llmc.runtime.bench import load_prompts
@@ -40,17 +41,19 @@ def self_distill(artifact: Path, prompts_file: Path, num_prompts: int, max_token
     prompts = [prompt for prompt in prompts if len(engine.tokenize(prompt)) + max_tokens < engine.max_model_len]
     if not prompts:
         raise LlmcError(f"no prompt of {prompts_file} fits {engine.max_model_len} tokens with a {max_tokens}-token answer")
-    answers = engine.generate(prompts, SamplingParams(temperature=0, max_tokens=max_tokens))
+    seqs = [engine.add_request(prompt, SamplingParams(temperature=0, max_tokens=max_tokens)) for prompt in prompts]
+    with tqdm(total=len(seqs), desc="target answers its prompts", unit="answer") as progress:
+        while engine.has_unfinished():
+            progress.update(sum(output.finish_reason is not None for output in engine.step()))
     hidden_size = engine.runner.hf_config.hidden_size
     lm_head = engine.runner.model.compute_logits(torch.eye(hidden_size, dtype=engine.config.dtype)).T.float()
     data = DistillSet([], [], [], lm_head)
-    for prompt, answer in zip(prompts, answers):
-        prompt_ids = engine.tokenize(prompt)
-        seq = Sequence(prompt_ids + answer["token_ids"], SamplingParams(), engine.config.block_size)
+    for answered in tqdm(seqs, desc="target hidden states", unit="answer"):
+        seq = Sequence(answered.token_ids, SamplingParams(), engine.config.block_size)
         engine.block_manager.allocate(seq)
         seq.num_scheduled_tokens = len(seq)
         data.hidden.append(engine.runner.forward([seq])[:-1].float())
         engine.block_manager.free(seq)
         data.token_ids.append(seq.token_ids)
-        data.answer_starts.append(len(prompt_ids))
+        data.answer_starts.append(answered.num_prompt_tokens)
     return data

@@ -13,9 +13,12 @@ DRAFT_DIR = "draft"
 WEIGHTS = "heads.safetensors"
 
 
-def save_draft(folder: Path, heads: nn.Module, config: dict) -> None:
+def save_heads(folder: Path, heads: nn.Module) -> None:
     folder.mkdir(parents=True, exist_ok=True)
     save_file({name: tensor.detach().contiguous() for name, tensor in heads.state_dict().items()}, folder / WEIGHTS)
+
+
+def save_draft(folder: Path, config: dict) -> None:
     (folder / "config.json").write_text(json.dumps(config, indent=2))
 
 

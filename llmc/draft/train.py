@@ -11,6 +11,8 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 from tqdm import tqdm
 
+from llmc.plot import saved_figure
+
 CHECKPOINT = "checkpoint.safetensors"
 
 
@@ -55,17 +57,9 @@ def load_checkpoint(path: Path, module: nn.Module, optimizer: torch.optim.Optimi
 
 
 def plot_losses(losses: list[float], path: Path, title: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    from matplotlib import pyplot as plt
-
-    figure, axis = plt.subplots(figsize=(6, 3.5))
-    axis.plot(range(1, len(losses) + 1), losses, linewidth=0.8)
-    axis.set(xlabel="step", ylabel="loss", title=title)
-    figure.tight_layout()
-    figure.savefig(path, dpi=120)
-    plt.close(figure)
+    with saved_figure(path) as axis:
+        axis.plot(range(1, len(losses) + 1), losses, linewidth=0.8)
+        axis.set(xlabel="step", ylabel="loss", title=title)
 
 
 def train(module: nn.Module, loss_fn: Callable[[int], torch.Tensor], config: TrainConfig, workdir: Path, title: str) -> list[float]:
