@@ -80,3 +80,17 @@ def test_rejection_sampling_follows_the_target_distribution(deterministic_draft)
             second[tokens[1]] += 1
     assert chisquare(first, target[0] * num_draws).pvalue > 1e-3
     assert chisquare(second, target[1] * second.sum()).pvalue > 1e-3
+
+
+def test_metrics_expose_acceptance(tiny_llama, trained):
+    from llmc.runtime.metrics import EngineCollector
+
+    draft, prompts = trained
+    engine = build(tiny_llama, speculative=draft)
+    engine.generate(prompts[:1], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))
+    families = {family.name: family for family in EngineCollector(engine).collect()}
+    stats = engine.runner.speculator.stats
+    assert families["llmc:spec_decode_num_accepted_tokens"].samples[0].value == stats.num_accepted_tokens > 0
+    per_position = families["llmc:spec_decode_num_accepted_tokens_per_pos"].samples
+    assert [sample.value for sample in per_position] == stats.accepted_per_position
+    assert families["llmc:spec_decode_mean_accepted_length"].samples[0].value == stats.mean_accepted_length
