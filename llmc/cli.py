@@ -46,17 +46,27 @@ def quantize(recipe: Path, output: str | None, overrides: tuple[str, ...], overw
 @click.option("--gate", "gate", multiple=True, metavar="KEY=VALUE",
               help="Threshold, e.g. min_recovery=0.95, max_perplexity_increase=0.05, max_kl=0.1, min_agreement=0.8.")
 @click.option("--out", type=click.Path(path_type=Path), help="Write report.json, report.md and PNG charts here.")
+@click.option("--speculative", metavar="auto|DRAFT_DIR", help="Measure speculative decoding with these draft heads (auto: TARGET/draft).")
+@click.option("--prompts", "prompts_file", type=click.Path(path_type=Path), help="JSONL prompts for --speculative (MT-bench `turns`, ...).")
+@click.option("--num-prompts", type=click.IntRange(min=1), default=80, show_default=True, help="With --speculative.")
+@click.option("--max-tokens", type=click.IntRange(min=1), default=128, show_default=True, help="With --speculative.")
+@click.option("--concurrency", type=click.IntRange(min=1), default=1, show_default=True, help="With --speculative: also compare throughput with this many requests in flight.")
+@click.option("--histogram", type=click.Path(path_type=Path), help="With --speculative: the accepted-length histogram (PNG).")
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
 def evaluate(targets: tuple[str, ...], perplexity_data: str | None, seq_len: int, max_windows: int, business: str | None,
-             tasks: str | None, limit: int | None, gate: tuple[str, ...], out: Path | None, as_json: bool) -> None:
+             tasks: str | None, limit: int | None, gate: tuple[str, ...], out: Path | None, speculative: str | None,
+             prompts_file: Path | None, num_prompts: int, max_tokens: int, concurrency: int, histogram: Path | None,
+             as_json: bool) -> None:
     """Evaluate TARGETS (model specs or artifacts) side by side; the first is the baseline."""
+    if speculative is not None:
+        return evaluate_speculative(targets[0], speculative, prompts_file, num_prompts, max_tokens, concurrency, histogram, as_json)
     from llmc.evals.gate import GateFailed
     from llmc.evals.report import SUMMARY_COLUMNS, summary_rows, write_report
     from llmc.evals.suite import EvalTarget, evaluate_side_by_side
     from llmc.recipe import eval_config
 
     if not (perplexity_data or business or tasks):
-        raise LlmcError("nothing to evaluate: pass --perplexity FILE|wikitext2, --business FILE or --tasks NAMES")
+        raise LlmcError("nothing to evaluate: pass --perplexity FILE|wikitext2, --business FILE, --tasks NAMES or --speculative")
     if gate and len(targets) < 2:
         raise LlmcError("--gate compares targets with the first one: give at least two targets")
     config = eval_config({
@@ -89,6 +99,40 @@ def _threshold(assignment: str) -> tuple[str, str]:
     return key.strip(), value.strip()
 
 
+def evaluate_speculative(target: str, speculative: str, prompts_file: Path | None, num_prompts: int, max_tokens: int,
+                         concurrency: int, histogram: Path | None, as_json: bool) -> None:
+    import torch
+    from transformers import AutoTokenizer
+
+    from llmc.evals.speculative import plot_accepted_lengths, speculative_eval
+    from llmc.models.spec import resolve_model
+    from llmc.runtime.bench import load_prompts
+
+    if prompts_file is None:
+        raise LlmcError("--speculative needs --prompts FILE (e.g. MT-bench question.jsonl)")
+    draft = draft_folder(target, speculative)
+    if draft is None:
+        raise LlmcError(f"{target} has no draft heads; train them with `llmc train-draft {target}` or pass their folder")
+    tokenizer = AutoTokenizer.from_pretrained(resolve_model(target))
+    prompts = list(dict.fromkeys(load_prompts(prompts_file, num_prompts, tokenizer, chat_template=True, shared_prefix_tokens=0)))
+    result = speculative_eval(target, draft, prompts, max_tokens, concurrency, torch.bfloat16)
+    if histogram:
+        plot_accepted_lengths(result["accepted_length_histogram"], histogram, f"{target}: accepted length")
+    if as_json:
+        click.echo(json.dumps(result, indent=2))
+        return
+    table = Table("metric", "value", title=f"speculative decoding, {len(prompts)} prompts of {prompts_file}, greedy")
+    table.add_row("mean accepted length", f"{result['mean_accepted_length']:.2f}")
+    table.add_row("acceptance per position", ", ".join(f"{value:.2f}" for value in result["acceptance_per_position"]))
+    table.add_row("identical to plain decoding", f"{result['identical_outputs']} / {len(prompts)}")
+    batch1 = result["batch1"]
+    table.add_row("batch 1 tokens/s plain / speculative", f"{batch1['plain_tokens_per_s']:.1f} / {batch1['speculative_tokens_per_s']:.1f}")
+    table.add_row("batch 1 speed-up", f"x{batch1['speedup']:.2f}")
+    if f"concurrency{concurrency}" in result:
+        table.add_row(f"concurrency {concurrency} speed-up", f"x{result[f'concurrency{concurrency}']['speedup']:.2f}")
+    console.print(table)
+
+
 @cli.command()
 @click.argument("artifact", type=click.Path(path_type=Path))
 @click.option("--json", "as_json", is_flag=True)
@@ -103,6 +147,28 @@ def inspect(artifact: Path, as_json: bool) -> None:
         print_artifact(info, console)
 
 
+@cli.command(name="train-draft")
+@click.argument("artifact", type=click.Path(path_type=Path))
+@click.option("--prompts", type=click.Path(path_type=Path), help="JSONL training prompts (default: the project's calib_data set).")
+@click.option("--set", "overrides", multiple=True, metavar="FIELD=VALUE", help="Set a `draft:` field, e.g. --set steps=600.")
+def train_draft_command(artifact: Path, prompts: Path | None, overrides: tuple[str, ...]) -> None:
+    """Train draft heads on ARTIFACT's own answers and store them in ARTIFACT/draft."""
+    import yaml
+    from pydantic import ValidationError
+
+    from llmc.draft.build import train_draft
+    from llmc.recipe import DraftConfig
+
+    fields = dict(override.partition("=")[::2] for override in overrides)
+    fields = {key: yaml.safe_load(value) for key, value in fields.items()} | ({"prompts": str(prompts)} if prompts else {})
+    try:
+        config = DraftConfig.model_validate(fields)
+    except ValidationError as error:
+        raise LlmcError("; ".join(f"draft.{'.'.join(map(str, item['loc']))}: {item['msg']}" for item in error.errors())) from None
+    folder = train_draft(artifact, config)
+    console.print(f"[green]wrote[/] {folder}")
+
+
 def engine_options(command):
     """Options shared by every command that builds an in-process engine."""
     options = [
@@ -113,6 +179,10 @@ def engine_options(command):
         click.option("--max-num-batched-tokens", type=click.IntRange(min=1), default=512, show_default=True),
         click.option("--max-model-len", type=click.IntRange(min=2)),
         click.option("--no-prefix-caching", is_flag=True),
+        click.option("--speculative", default="auto", show_default=True, metavar="auto|off|DRAFT_DIR",
+                     help="Draft heads to decode with: auto uses the artifact's draft/ when it has one."),
+        click.option("--speculative-max-num-seqs", type=click.IntRange(min=0), default=4, show_default=True,
+                     help="Decode without drafts when more sequences than this run at once."),
     ]
     for option in reversed(options):
         command = option(command)
@@ -126,8 +196,20 @@ def require_serve_extra() -> None:
         raise LlmcError(f"{error.name} is not installed: pip install 'llmc-toolchain[serve]'") from None
 
 
+def draft_folder(model: str, speculative: str) -> Path | None:
+    """auto: MODEL/draft when MODEL is an artifact with heads; off: none; else the folder given."""
+    from llmc.draft.store import DRAFT_DIR
+
+    if speculative == "off":
+        return None
+    if speculative == "auto":
+        folder = Path(model) / DRAFT_DIR
+        return folder if (folder / "config.json").is_file() else None
+    return Path(speculative)
+
+
 def build_engine(model: str, dtype: str, kv_cache_gib: float, max_num_seqs: int, max_num_batched_tokens: int,
-                 max_model_len: int | None, no_prefix_caching: bool):
+                 max_model_len: int | None, no_prefix_caching: bool, speculative: str = "off", speculative_max_num_seqs: int = 4):
     import torch
 
     from llmc.runtime.config import EngineConfig
@@ -136,6 +218,7 @@ def build_engine(model: str, dtype: str, kv_cache_gib: float, max_num_seqs: int,
     config = EngineConfig(
         dtype=getattr(torch, dtype), kv_cache_gib=kv_cache_gib, max_num_seqs=max_num_seqs,
         max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len, enable_prefix_caching=not no_prefix_caching,
+        speculative=draft_folder(model, speculative), speculative_max_num_seqs=speculative_max_num_seqs,
     )
     return LLMEngine(model, config)
 

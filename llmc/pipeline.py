@@ -109,6 +109,10 @@ def run_quantize(recipe: Recipe, overwrite: bool = False) -> Path:
             "timings": timings,
             "eval": evals,
         })
+        if recipe.draft is not None:  # heads learn from the quantized model, the one that will be served
+            from llmc.draft.build import train_draft
+
+            train_draft(staging, recipe.draft)
     return output
 
 

@@ -199,6 +199,20 @@ class ExportConfig(StrictModel):
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
 
 
+class DraftConfig(StrictModel):
+    """Draft heads trained on the quantized model, by self-distillation on `prompts` (never the evaluation set)."""
+
+    method: Literal["medusa"] = "medusa"
+    num_heads: int = Field(4, gt=0, le=8)
+    prompts: str = "calib_data/smollm2_self_generated.jsonl"
+    num_prompts: int = Field(128, gt=0)
+    max_tokens: int = Field(256, gt=0)  # answer length generated per prompt
+    steps: int = Field(300, gt=0)
+    batch_size: int = Field(128, gt=0)
+    lr: float = Field(1e-3, gt=0)
+    seed: int = 0
+
+
 class Recipe(StrictModel):
     model: str = "smollm2-135m"
     output: str
@@ -207,6 +221,7 @@ class Recipe(StrictModel):
     kv_cache: KVCacheConfig | None = None
     eval: EvalConfig = EvalConfig()
     export: ExportConfig = ExportConfig()
+    draft: DraftConfig | None = None
 
     @model_validator(mode="after")
     def _stage_order_and_data(self) -> "Recipe":

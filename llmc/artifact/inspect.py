@@ -17,7 +17,8 @@ def describe_artifact(folder: Path) -> dict:
     manifest = json.loads(manifest_path.read_text())
     config = json.loads((folder / "config.json").read_text())
     quantization = config.get("quantization_config", {})
-    size = sum(path.stat().st_size for path in folder.rglob("*.safetensors"))
+    size = sum(path.stat().st_size for path in folder.glob("*.safetensors"))
+    draft_config = folder / "draft" / "config.json"
     return {
         "path": str(folder),
         "architecture": (config.get("architectures") or ["?"])[0],
@@ -31,6 +32,7 @@ def describe_artifact(folder: Path) -> dict:
         "ignore": quantization.get("ignore", []),
         "weights_bytes": size,
         "manifest": manifest,
+        "draft": json.loads(draft_config.read_text()) if draft_config.is_file() else None,
     }
 
 
@@ -62,4 +64,12 @@ def print_artifact(info: dict, console: Console) -> None:
     if "gate" in evals:
         console.print(f"gate {evals['gate']['thresholds']}: {'passed' if evals['gate']['passed'] else 'FAILED'}")
     console.print("timings: " + ", ".join(f"{key} {value:.1f}" for key, value in manifest["timings"].items()))
+    draft = info["draft"]
+    if draft:
+        train = draft["train"]
+        console.print(f"draft heads: {draft['num_heads']} x {draft['method']} in draft/, trained {train['steps']} steps on "
+                      f"{draft['trained_on']['answer_tokens']} self-distilled tokens ({draft['trained_on']['prompts']}); "
+                      f"train top-1 per head {', '.join(f'{value:.2f}' for value in train['train_top1_per_head'])}")
+    else:
+        console.print("draft heads: none (`llmc train-draft ARTIFACT` adds them)")
     console.print(f"files: {len(manifest['files'])} with SHA-256 in llmc.json")

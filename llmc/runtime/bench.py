@@ -31,17 +31,18 @@ class RequestResult:
 
 
 def load_prompts(path: Path, num_prompts: int, tokenizer, chat_template: bool, shared_prefix_tokens: int) -> list[str]:
-    """First turns of MT-bench, or the `prompt`/`text` field of any JSONL; reused in order to reach num_prompts."""
+    """First turns of MT-bench, the first `messages` turn, or the `prompt`/`text` field of any JSONL; reused in order
+    to reach num_prompts."""
     if not path.is_file():
         raise LlmcError(f"prompt file not found: {path}")
     texts = []
     for line in path.read_text().splitlines():
         row = json.loads(line) if line.strip() else {}
-        text = (row.get("turns") or [None])[0] or row.get("prompt") or row.get("text")
+        text = (row.get("turns") or [None])[0] or (row.get("messages") or [{}])[0].get("content") or row.get("prompt") or row.get("text")
         if text:
             texts.append(text)
     if not texts:
-        raise LlmcError(f"{path} has no rows with `turns`, `prompt` or `text`")
+        raise LlmcError(f"{path} has no rows with `turns`, `messages`, `prompt` or `text`")
     prefix = ""
     if shared_prefix_tokens:
         corpus = tokenizer.encode(" ".join(texts) * (1 + shared_prefix_tokens // 1000), add_special_tokens=False)

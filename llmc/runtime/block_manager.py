@@ -88,21 +88,29 @@ class BlockManager:
     def free(self, seq: Sequence) -> None:
         # tail blocks are the least likely to be shared, so they go back first and are evicted first
         for block_id in reversed(seq.block_table):
-            block = self.blocks[block_id]
-            block.ref_count -= 1
-            if block.ref_count == 0:
-                self.free_block_ids[block_id] = None
-                if block.hash is None:
-                    self.free_block_ids.move_to_end(block_id, last=False)
+            self._release(block_id)
         seq.block_table = []
         seq.num_computed_tokens = seq.num_cached_tokens = 0
+
+    def trim(self, seq: Sequence) -> None:
+        """Give back the blocks past the sequence's tokens: they held only rejected draft tokens."""
+        while len(seq.block_table) > seq.num_blocks:
+            self._release(seq.block_table.pop())
+
+    def _release(self, block_id: int) -> None:
+        block = self.blocks[block_id]
+        block.ref_count -= 1
+        if block.ref_count == 0:
+            self.free_block_ids[block_id] = None
+            if block.hash is None:
+                self.free_block_ids.move_to_end(block_id, last=False)
 
     def cache_full_blocks(self, seq: Sequence) -> None:
         """Register the blocks that became full of computed tokens, so later requests can reuse them."""
         if not self.enable_prefix_caching:
             return
         parent_hash = None
-        for index in range(seq.num_computed_tokens // self.block_size):
+        for index in range(min(seq.num_computed_tokens, len(seq)) // self.block_size):
             block = self.blocks[seq.block_table[index]]
             if block.hash is None:
                 block.token_ids = tuple(seq.block(index))

@@ -1,4 +1,5 @@
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -14,3 +15,6 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     dtype: torch.dtype = torch.bfloat16  # float32 runs the exact path (dense matmuls), bfloat16 the int4 kernels
     device: str = "cpu"
+    speculative: Path | None = None  # a draft folder (config.json + heads) to propose tokens with
+    num_speculative_tokens: int | None = None  # None: one per draft head
+    speculative_max_num_seqs: int = 4  # above this many sequences in a step, decode without drafts

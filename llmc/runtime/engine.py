@@ -83,10 +83,17 @@ class LLMEngine:
         sampled = self.runner.run(seqs)
         outputs = []
         for seq in seqs:
+            tokens = sampled.get(seq, [])
             seq.num_computed_tokens += seq.num_scheduled_tokens
+            if tokens:  # K/V past the accepted drafts is stale, and their slots are given back
+                seq.num_computed_tokens = min(seq.num_computed_tokens, len(seq) + len(tokens) - 1)
             self.block_manager.cache_full_blocks(seq)
-            if seq in sampled:
-                outputs.append(self._append(seq, sampled[seq]))
+            for token in tokens:
+                outputs.append(self._append(seq, token))
+                if seq.is_finished:
+                    break
+            if not seq.is_finished:
+                self.block_manager.trim(seq)
         return outputs
 
     def _append(self, seq: Sequence, token: SampledToken) -> RequestOutput:
@@ -104,6 +111,7 @@ class LLMEngine:
         if hits:
             seq.text, reason = seq.text[: min(hits)], "stop"
         if reason:
+            self.block_manager.cache_full_blocks(seq)
             self.scheduler.finish(seq, reason)
             del self.sequences[seq.request_id]
             visible_end = len(seq.text)

@@ -3,6 +3,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from llmc.runtime.engine import LLMEngine
+from llmc.runtime.spec.stats import SpecStats
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
 
@@ -25,6 +26,20 @@ class EngineCollector:
         for reason in ("stop", "length", "abort"):
             finished.add_metric([reason], scheduler.num_finished[reason])
         yield finished
+        if self.engine.runner.speculator is not None:
+            yield from self.collect_speculative(self.engine.runner.speculator.stats)
+
+    def collect_speculative(self, stats: SpecStats):
+        yield CounterMetricFamily("llmc:spec_decode_num_drafts", "Verification steps with draft tokens.", value=stats.num_drafts)
+        yield CounterMetricFamily("llmc:spec_decode_num_draft_tokens", "Draft tokens proposed.", value=stats.num_draft_tokens)
+        yield CounterMetricFamily("llmc:spec_decode_num_accepted_tokens", "Draft tokens accepted.", value=stats.num_accepted_tokens)
+        per_position = CounterMetricFamily("llmc:spec_decode_num_accepted_tokens_per_pos", "Draft tokens accepted, by position.",
+                                           labels=["position"])
+        for position, accepted in enumerate(stats.accepted_per_position):
+            per_position.add_metric([str(position)], accepted)
+        yield per_position
+        yield GaugeMetricFamily("llmc:spec_decode_mean_accepted_length", "Tokens emitted per verification step (1 + accepted / drafts).",
+                                value=stats.mean_accepted_length)
 
 
 class ServerMetrics:

@@ -49,13 +49,18 @@ class ModelRunner:
 
             for attention in self.model.attention_layers():
                 attention.decode_attention = decode_attention_triton
+        self.speculator = None
+        if config.speculative is not None:
+            from llmc.runtime.spec.decoder import SpeculativeDecoder
+
+            self.speculator = SpeculativeDecoder(config.speculative, self.model, config, hf_config.hidden_size, self.max_model_len)
         logger.info("KV cache: %d blocks of %d tokens; max model length %d", self.num_blocks, self.block_size, self.max_model_len)
 
     def _prepare(self, seqs: list[Sequence]) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
         input_ids, positions, slot_mapping, seq_lens = [], [], [], []
         for seq in seqs:
             start, end = seq.num_computed_tokens, seq.num_computed_tokens + seq.num_scheduled_tokens
-            input_ids += seq.token_ids[start:end]
+            input_ids += seq.token_ids[start:end] + seq.draft_token_ids[: max(0, end - len(seq))]
             positions += range(start, end)
             slot_mapping += [seq.block_table[p // self.block_size] * self.block_size + p % self.block_size for p in range(start, end)]
             seq_lens.append(end)
@@ -76,16 +81,30 @@ class ModelRunner:
         return tensor(input_ids), tensor(positions), metadata
 
     @torch.inference_mode()
-    def run(self, seqs: list[Sequence]) -> dict[Sequence, SampledToken]:
-        """Compute the scheduled tokens of every sequence; sample for those whose scheduled chunk ends their tokens."""
-        seqs = sorted(seqs, key=lambda seq: seq.num_scheduled_tokens != 1)  # decodes first
+    def forward(self, seqs: list[Sequence]) -> torch.Tensor:
+        """The final hidden states of every scheduled token (their K/V go into the cache)."""
         input_ids, positions, metadata = self._prepare(seqs)
-        hidden = self.model(input_ids, positions, metadata)
-        last_index = torch.tensor(metadata.query_lens).cumsum(0) - 1
-        sampling = [row for row, seq in enumerate(seqs) if seq.num_computed_tokens + seq.num_scheduled_tokens == len(seq)]
-        if not sampling:
+        return self.model(input_ids, positions, metadata)
+
+    @torch.inference_mode()
+    def run(self, seqs: list[Sequence]) -> dict[Sequence, list[SampledToken]]:
+        """Compute the scheduled tokens of every sequence; sample for those whose scheduled chunk reaches their last
+        token: one token, or with a speculator the accepted drafts plus one."""
+        seqs = sorted(seqs, key=lambda seq: seq.num_scheduled_tokens != 1)  # decodes first
+        hidden = self.forward(seqs)
+        rows, sampling_seqs, num_rows, end = [], [], [], 0
+        for seq in seqs:
+            end += seq.num_scheduled_tokens
+            num_drafts = seq.num_computed_tokens + seq.num_scheduled_tokens - len(seq)
+            if num_drafts >= 0:
+                rows += range(end - num_drafts - 1, end)
+                sampling_seqs.append(seq)
+                num_rows.append(num_drafts + 1)
+        if not sampling_seqs:
             return {}
-        logits = self.model.compute_logits(hidden[last_index[sampling].to(self.device)])
-        sampling_seqs = [seqs[row] for row in sampling]
+        hidden = hidden[torch.tensor(rows, device=self.device)]
+        logits = self.model.compute_logits(hidden)
+        if self.speculator is not None:
+            return self.speculator.accept(sampling_seqs, hidden, logits, num_rows)
         tokens = sample(logits, [seq.params for seq in sampling_seqs], [seq.generator for seq in sampling_seqs])
-        return dict(zip(sampling_seqs, tokens))
+        return {seq: [token] for seq, token in zip(sampling_seqs, tokens)}

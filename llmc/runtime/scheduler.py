@@ -31,7 +31,7 @@ class Scheduler:
         index = 0
         while index < len(self.running) and budget:
             seq = self.running[index]
-            num_tokens = min(seq.num_uncomputed_tokens, budget)
+            num_tokens = min(seq.num_uncomputed_tokens + len(seq.draft_token_ids), budget)
             while not self.block_manager.ensure_blocks(seq, seq.num_computed_tokens + num_tokens):
                 preempted = True
                 if self.preempt(self.running[-1]) is seq:

@@ -25,22 +25,30 @@ def _filtered_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tens
     return logits
 
 
+def sampling_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """The distribution a row's token is drawn from, after temperature, top-k and top-p."""
+    return _filtered_logits(logits.float(), params).softmax(-1)
+
+
+def sampled_token(token_id: int, logits: torch.Tensor, params: SamplingParams) -> SampledToken:
+    """The token with the logprobs the request asked for, from its row of logits."""
+    token = SampledToken(token_id)
+    if params.logprobs is not None:
+        logprobs = logits.float().log_softmax(-1)
+        token.logprob = float(logprobs[token_id])
+        top = torch.topk(logprobs, params.logprobs) if params.logprobs else None
+        token.top_logprobs = dict(zip(top.indices.tolist(), top.values.tolist())) if top is not None else {}
+    return token
+
+
 def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None]) -> list[SampledToken]:
     """logits [num_seqs, vocab] -> one token per row: argmax when greedy, else drawn with the row's generator."""
-    logits = logits.float()
     greedy_tokens = logits.argmax(-1).tolist()
     sampled = []
     for row, (row_params, generator) in enumerate(zip(params, generators)):
         if row_params.greedy:
             token_id = greedy_tokens[row]
         else:
-            probs = _filtered_logits(logits[row], row_params).softmax(-1)
-            token_id = int(torch.multinomial(probs, 1, generator=generator))
-        token = SampledToken(token_id)
-        if row_params.logprobs is not None:
-            logprobs = logits[row].log_softmax(-1)
-            token.logprob = float(logprobs[token_id])
-            top = torch.topk(logprobs, row_params.logprobs) if row_params.logprobs else None
-            token.top_logprobs = dict(zip(top.indices.tolist(), top.values.tolist())) if top is not None else {}
-        sampled.append(token)
+            token_id = int(torch.multinomial(sampling_probs(logits[row], row_params), 1, generator=generator))
+        sampled.append(sampled_token(token_id, logits[row], row_params))
     return sampled

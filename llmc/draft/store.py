@@ -1,0 +1,38 @@
+"""A draft folder inside the artifact: config.json (method, sizes, how it was trained) and heads.safetensors."""
+import json
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+from torch import nn
+
+from llmc.errors import LlmcError
+from llmc.draft.medusa import MedusaHeads
+
+DRAFT_DIR = "draft"
+WEIGHTS = "heads.safetensors"
+
+
+def save_heads(folder: Path, heads: nn.Module) -> None:
+    folder.mkdir(parents=True, exist_ok=True)
+    save_file({name: tensor.detach().contiguous() for name, tensor in heads.state_dict().items()}, folder / WEIGHTS)
+
+
+def save_draft(folder: Path, config: dict) -> None:
+    (folder / "config.json").write_text(json.dumps(config, indent=2))
+
+
+def read_draft_config(folder: Path) -> dict:
+    path = folder / "config.json"
+    if not path.is_file():
+        raise LlmcError(f"{folder} is not a draft folder (no config.json); train one with `llmc train-draft ARTIFACT`")
+    return json.loads(path.read_text())
+
+
+def load_draft(folder: Path, dtype: torch.dtype, device: str) -> tuple[dict, nn.Module]:
+    config = read_draft_config(folder)
+    if config.get("method") != "medusa":
+        raise LlmcError(f"{folder}: unknown draft method {config.get('method')!r}")
+    heads = MedusaHeads(config["hidden_size"], config["num_heads"])
+    heads.load_state_dict(load_file(folder / WEIGHTS))
+    return config, heads.to(device, dtype).eval()

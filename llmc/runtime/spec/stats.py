@@ -1,0 +1,35 @@
+from collections import Counter
+from dataclasses import dataclass, field
+
+
+@dataclass
+class SpecStats:
+    """Counters named like vLLM's spec-decode metrics; an accepted length counts the bonus token."""
+
+    num_positions: int
+    num_drafts: int = 0  # verification steps that had at least one draft token
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    accepted_per_position: list[int] = field(default_factory=list)
+    accepted_lengths: Counter = field(default_factory=Counter)
+
+    def __post_init__(self) -> None:
+        self.accepted_per_position = self.accepted_per_position or [0] * self.num_positions
+
+    def record(self, num_draft_tokens: int, num_accepted: int) -> None:
+        if not num_draft_tokens:
+            return
+        self.num_drafts += 1
+        self.num_draft_tokens += num_draft_tokens
+        self.num_accepted_tokens += num_accepted
+        for position in range(num_accepted):
+            self.accepted_per_position[position] += 1
+        self.accepted_lengths[num_accepted + 1] += 1
+
+    @property
+    def mean_accepted_length(self) -> float:
+        return 1 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else 1.0
+
+    @property
+    def acceptance_per_position(self) -> list[float]:
+        return [accepted / self.num_drafts if self.num_drafts else 0.0 for accepted in self.accepted_per_position]

@@ -1,0 +1,79 @@
+import json
+
+import pytest
+import torch
+from click.testing import CliRunner
+
+from conftest import write_recipe
+from llmc.artifact.inspect import describe_artifact
+from llmc.cli import cli
+from llmc.draft.build import train_draft
+from llmc.draft.medusa import MedusaHeads, medusa_labels
+from llmc.draft.train import CHECKPOINT, TrainConfig, train
+from llmc.errors import LlmcError
+from llmc.pipeline import run_quantize
+from llmc.recipe import DraftConfig, load_recipe
+
+STAGE = "  - type: rtn\n    scheme: W4A16\n    weights: {group_size: 32}\n"
+
+
+def test_medusa_heads_start_as_the_lm_head():
+    heads = MedusaHeads(8, 3)
+    hidden = torch.randn(5, 8)
+    assert torch.equal(heads(hidden), hidden.expand(3, 5, 8))
+    assert medusa_labels([10, 11, 12, 13, 14], 1, 2).tolist() == [[13, 14], [14, -100], [-100, -100]]
+
+
+def test_training_resumes_from_its_checkpoint(tmp_path):
+    torch.manual_seed(0)
+    hidden, labels, lm_head = torch.randn(64, 8), torch.randint(0, 16, (64, 2)), torch.randn(16, 8)
+
+    def run(heads, fail_at=None):
+        def loss_fn(step):
+            if step == fail_at:
+                raise KeyboardInterrupt
+            return heads.loss(hidden, labels, lm_head)
+        return train(heads, loss_fn, TrainConfig(steps=12, lr=1e-2, checkpoint_every=4), tmp_path, "test")
+
+    straight = run(MedusaHeads(8, 2))
+    with pytest.raises(KeyboardInterrupt):
+        run(MedusaHeads(8, 2), fail_at=10)
+    assert (tmp_path / CHECKPOINT).is_file()
+    resumed = run(MedusaHeads(8, 2))
+    assert len(resumed) == 12 and resumed == pytest.approx(straight, rel=1e-5)
+    assert straight[-1] < straight[0]
+    assert (tmp_path / "loss.png").is_file() and not (tmp_path / CHECKPOINT).exists()
+
+
+def test_recipe_draft_trains_heads_into_the_artifact(tmp_path, tiny_llama, calib_file):
+    recipe = write_recipe(tmp_path / "r.yaml", tiny_llama, tmp_path / "out", STAGE, calib_file)
+    recipe.write_text(recipe.read_text() + f"draft:\n  prompts: {calib_file}\n  num_prompts: 6\n  max_tokens: 24\n"
+                      "  num_heads: 2\n  steps: 30\n  batch_size: 32\n")
+    artifact = run_quantize(load_recipe(recipe, ["calibration.num_samples=2"]))
+    assert {path.name for path in (artifact / "draft").iterdir()} == {"config.json", "heads.safetensors", "loss.png"}
+    info = describe_artifact(artifact)
+    assert info["draft"]["num_heads"] == 2 and info["draft"]["trained_on"]["num_answers"] == 4
+    assert "draft/heads.safetensors" in info["manifest"]["files"]
+    histogram = tmp_path / "accepted.png"
+    run = CliRunner().invoke(cli, ["eval", str(artifact), "--speculative", "auto", "--prompts", str(calib_file), "--num-prompts", "2",
+                                   "--max-tokens", "12", "--concurrency", "2", "--histogram", str(histogram), "--json"])
+    assert run.exit_code == 0, run.output
+    result = json.loads(run.output)
+    assert result["num_prompts"] == 2 and result["mean_accepted_length"] >= 1 and histogram.is_file()
+    assert {"batch1", "concurrency2", "acceptance_per_position"} <= set(result)
+
+
+def test_train_draft_needs_an_artifact_and_valid_settings(tmp_path):
+    with pytest.raises(LlmcError, match="not an llmc artifact"):
+        train_draft(tmp_path, DraftConfig())
+    run = CliRunner().invoke(cli, ["train-draft", str(tmp_path), "--set", "steps=0"], standalone_mode=False)
+    assert isinstance(run.exception, LlmcError) and "draft.steps" in str(run.exception)
+
+
+def test_mt_bench_is_refused_as_training_prompts(tmp_path):
+    from llmc.draft.data import check_not_eval_set
+
+    path = tmp_path / "question.jsonl"
+    path.write_text(json.dumps({"question_id": 81, "category": "writing", "turns": ["Compose a blog post."]}) + "\n")
+    with pytest.raises(LlmcError, match="evaluation set"):
+        check_not_eval_set(path)

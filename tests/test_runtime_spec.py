@@ -1,0 +1,96 @@
+from pathlib import Path
+
+import pytest
+import torch
+from scipy.stats import chisquare
+
+from llmc.draft.build import train_medusa
+from llmc.draft.data import self_distill
+from llmc.recipe import DraftConfig
+from llmc.runtime.config import EngineConfig
+from llmc.runtime.engine import LLMEngine
+from llmc.runtime.sampling_params import SamplingParams
+from llmc.runtime.spec.acceptance import greedy_accept, rejection_sample
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory, tiny_llama, calib_file) -> tuple[Path, list[list[int]]]:
+    """Heads trained on the tiny model's own answers, and the prompts (as token ids) they were trained on."""
+    folder = tmp_path_factory.mktemp("draft")
+    data = self_distill(tiny_llama, calib_file, 6, 24)
+    train_medusa(data, DraftConfig(num_heads=3, steps=150, batch_size=64, lr=1e-2), folder)
+    return folder, [ids[:start] for ids, start in zip(data.token_ids, data.answer_starts)]
+
+
+def build(model: Path, **kwargs) -> LLMEngine:
+    return LLMEngine(model, EngineConfig(dtype=torch.float32, block_size=4, **({"num_kv_blocks": 48} | kwargs)))
+
+
+@pytest.mark.parametrize("max_num_seqs, max_num_batched_tokens", [(1, 512), (4, 512), (4, 7)])
+def test_greedy_speculative_output_equals_plain_decoding(tiny_llama, trained, max_num_seqs, max_num_batched_tokens):
+    draft, prompts = trained
+    params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+    limits = dict(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens)
+    plain = build(tiny_llama, **limits).generate(prompts, params)
+    engine = build(tiny_llama, speculative=draft, **limits)
+    speculative = engine.generate(prompts, params)
+    assert [out["token_ids"] for out in speculative] == [out["token_ids"] for out in plain]
+    stats = engine.runner.speculator.stats
+    assert stats.num_drafts > 0 and stats.num_accepted_tokens > 0
+    assert stats.mean_accepted_length > 1 and sum(stats.accepted_lengths.values()) == stats.num_drafts
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks  # rejected drafts' slots came back
+
+
+def test_speculation_turns_off_under_load(tiny_llama, trained):
+    draft, prompts = trained
+    engine = build(tiny_llama, speculative=draft, speculative_max_num_seqs=1, num_kv_blocks=256)  # all run at once
+    engine.generate(prompts, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
+    assert engine.runner.speculator.stats.num_drafts == 0
+
+
+def test_sampled_speculative_decoding_is_reproducible_with_a_seed(tiny_llama, trained):
+    draft, prompts = trained
+    engine = build(tiny_llama, speculative=draft)
+    params = SamplingParams(temperature=0.8, top_k=20, max_tokens=16, seed=3, logprobs=2)
+    first, second = engine.generate(prompts[:1], params), engine.generate(prompts[:1], params)
+    assert first[0]["token_ids"] == second[0]["token_ids"] and len(first[0]["token_ids"]) == 16
+    assert len(first[0]["logprobs"]) == 16 and engine.runner.speculator.stats.num_drafts > 0
+
+
+def test_greedy_accept_takes_the_longest_matching_prefix():
+    assert greedy_accept([5, 6, 7, 8], [5, 6, 9]) == 2
+    assert greedy_accept([5, 6, 7, 8], [5, 6, 7]) == 3
+    assert greedy_accept([5], []) == 0
+
+
+@pytest.mark.parametrize("deterministic_draft", [False, True])
+def test_rejection_sampling_follows_the_target_distribution(deterministic_draft):
+    generator = torch.Generator().manual_seed(0)
+    vocab, num_draws = 6, 8000
+    target = (torch.randn(3, vocab, generator=generator) * 1.5).softmax(-1)
+    draft = (torch.randn(2, vocab, generator=generator) * 1.5).softmax(-1)
+    if deterministic_draft:  # the engine's case: heads propose their top-1 guess
+        draft = torch.nn.functional.one_hot(draft.argmax(-1), vocab).float()
+    first, second = torch.zeros(vocab), torch.zeros(vocab)
+    for _ in range(num_draws):
+        proposals = [int(torch.multinomial(row, 1, generator=generator)) for row in draft]
+        tokens = rejection_sample(target, proposals, draft, generator)
+        first[tokens[0]] += 1
+        if len(tokens) > 1:  # the first draft was kept: the second token follows the next target row
+            second[tokens[1]] += 1
+    assert chisquare(first, target[0] * num_draws).pvalue > 1e-3
+    assert chisquare(second, target[1] * second.sum()).pvalue > 1e-3
+
+
+def test_metrics_expose_acceptance(tiny_llama, trained):
+    from llmc.runtime.metrics import EngineCollector
+
+    draft, prompts = trained
+    engine = build(tiny_llama, speculative=draft)
+    engine.generate(prompts[:1], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))
+    families = {family.name: family for family in EngineCollector(engine).collect()}
+    stats = engine.runner.speculator.stats
+    assert families["llmc:spec_decode_num_accepted_tokens"].samples[0].value == stats.num_accepted_tokens > 0
+    per_position = families["llmc:spec_decode_num_accepted_tokens_per_pos"].samples
+    assert [sample.value for sample in per_position] == stats.accepted_per_position
+    assert families["llmc:spec_decode_mean_accepted_length"].samples[0].value == stats.mean_accepted_length
