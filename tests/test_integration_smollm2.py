@@ -2,7 +2,6 @@
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -52,12 +51,13 @@ def test_w4a16_perplexity_is_close_to_base(artifact):
 
 def test_ctrl_c_leaves_no_partial_artifact(tmp_path):
     output = tmp_path / "interrupted"
-    process = subprocess.Popen([sys.executable, "-m", "llmc", "quantize", str(RECIPE), "--output", str(output), *SMALL],
+    # a calibration large enough that the remaining layers take seconds after the first one is done
+    large = ["--set", "calibration.num_samples=64", "--set", "calibration.seq_len=512"]
+    process = subprocess.Popen([sys.executable, "-m", "llmc", "quantize", str(RECIPE), "--output", str(output), *large],
                                stderr=subprocess.PIPE, text=True)
     seen = ""
-    while "quantizing layers" not in seen and process.poll() is None:
-        seen += process.stderr.read(64)
-    time.sleep(1.0)
+    while " 1/30 " not in seen and process.poll() is None:
+        seen += process.stderr.read(1)
     process.send_signal(signal.SIGINT)
     stderr = seen + process.communicate(timeout=120)[1]
     assert process.returncode == 130, stderr
