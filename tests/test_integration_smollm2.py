@@ -59,7 +59,7 @@ def test_ctrl_c_leaves_no_partial_artifact(tmp_path):
     while " 1/30 " not in seen and process.poll() is None:
         seen += process.stderr.read(1)
     process.send_signal(signal.SIGINT)
-    stderr = seen + process.communicate(timeout=120)[1]
+    stderr = seen + process.communicate(timeout=600)[1]
     assert process.returncode == 130, stderr
     assert "interrupted; nothing was written" in stderr
     assert list(tmp_path.iterdir()) == []

@@ -65,8 +65,10 @@ class AsyncLLMEngine:
     def _apply(self, command: tuple) -> None:
         if command[0] == "add":
             _, token_ids, params, request_id = command
-            if request_id in self._streams:  # not already abandoned by its caller
+            if request_id in self._streams:
                 self.engine.add_request(token_ids, params, request_id)
+            else:  # abandoned by its caller before the engine saw it: an abort all the same
+                self.engine.scheduler.num_finished["abort"] += 1
         else:
             self.engine.abort(command[1])
 
