@@ -53,8 +53,10 @@ def test_ctrl_c_leaves_no_partial_artifact(tmp_path):
     output = tmp_path / "interrupted"
     # a calibration large enough that the remaining layers take seconds after the first one is done
     large = ["--set", "calibration.num_samples=64", "--set", "calibration.seq_len=512"]
+    # a shell's background job inherits SIGINT ignored; give the child the default a terminal gives it
     process = subprocess.Popen([sys.executable, "-m", "llmc", "quantize", str(RECIPE), "--output", str(output), *large],
-                               stderr=subprocess.PIPE, text=True)
+                               stderr=subprocess.PIPE, text=True,
+                               preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     seen = ""
     while " 1/30 " not in seen and process.poll() is None:
         seen += process.stderr.read(1)
