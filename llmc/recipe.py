@@ -360,7 +360,7 @@ def _describe(error: ValidationError, path: Path, root: yaml.Node | None, overri
             where = "--set"
         else:
             where = f"line {_line_of(root, location)}"
-        if item["type"] == "extra_forbidden":
+        if item["type"] in ("extra_forbidden", "unexpected_keyword_argument"):  # a model's key, a dataclass's
             message = "unknown key"
         lines.append(f"  {path.name} {where}: {message}" if named else f"  {path.name} {where}: {field}: {message}")
     return "\n".join(lines)

@@ -1,4 +1,5 @@
 import json
+from dataclasses import replace
 
 import pytest
 import torch
@@ -31,7 +32,7 @@ def hand_made(symmetric: bool) -> QuantizedWeight:
     codes = ((out + columns) % 16 - 8).to(torch.int8)
     zero_point = torch.zeros(8, 2, dtype=torch.int8) if symmetric else (out + torch.arange(2) - 8).to(torch.int8)
     scale = (torch.arange(16, dtype=torch.float32).reshape(8, 2) + 1) / 64
-    return QuantizedWeight(codes, scale, zero_point, G4.model_copy(update={"symmetric": symmetric}))
+    return QuantizedWeight(codes, scale, zero_point, replace(G4, symmetric=symmetric))
 
 
 def round_trip(tmp_path, tensors, read):

@@ -42,19 +42,6 @@ def to_ct_args(args: QuantArgs) -> QuantizationArgs:
     )
 
 
-def from_ct_args(args: dict) -> QuantArgs:
-    return QuantArgs(
-        num_bits=args["num_bits"],
-        type=args["type"],
-        symmetric=args["symmetric"],
-        strategy=args["strategy"],
-        group_size=args.get("group_size"),
-        block_structure=args.get("block_structure"),
-        dynamic=bool(args.get("dynamic")),
-        actorder="static" if args.get("actorder") == "weight" else args.get("actorder"),
-    )
-
-
 def kv_cache_ct_args(args: QuantArgs) -> QuantizationArgs:
     strategy = "attn_head" if args.strategy == "channel" else "tensor"
     return QuantizationArgs(num_bits=8, type=args.type, symmetric=True, strategy=strategy, dynamic=False)
@@ -86,20 +73,3 @@ def quantization_config(
     ).model_dump()
     config.update(version=compressed_tensors.__version__, sparsity_config={}, transform_config={})
     return config
-
-
-def schemes_from_config(quantization_config: dict) -> list[tuple[list[str], QuantArgs, QuantArgs | None]]:
-    """(targets, weight args, input-activation args) per config group, for reading an artifact back."""
-    return [
-        (group["targets"], from_ct_args(group["weights"]),
-         from_ct_args(group["input_activations"]) if group.get("input_activations") else None)
-        for group in quantization_config["config_groups"].values()
-    ]
-
-
-def kv_cache_args_from_config(quantization_config: dict) -> QuantArgs | None:
-    scheme = quantization_config.get("kv_cache_scheme")
-    if not scheme:
-        return None
-    strategy = "channel" if scheme["strategy"] == "attn_head" else "tensor"
-    return QuantArgs(num_bits=8, type=scheme["type"], strategy=strategy)

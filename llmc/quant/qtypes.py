@@ -6,18 +6,21 @@ W = (q - zero_point) * scale. Activations use the same arithmetic on [tokens, fe
 (or per token group) computed on the fly when dynamic, or one calibrated scale per tensor when static.
 """
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, get_args
 
 import torch
-from pydantic import BaseModel, ConfigDict, model_validator
 
 Strategy = Literal["tensor", "channel", "group", "block", "token"]
 ActOrder = Literal["static", "group"]
 FP8_MAX = torch.finfo(torch.float8_e4m3fn).max  # 448
 
 
-class QuantArgs(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+@dataclass(frozen=True)
+class QuantArgs:
+    """A frozen dataclass rather than a pydantic model so that the runtime imports without pydantic; recipes still
+    validate it as a field (pydantic checks the Literals, forbids unknown keys and reports __post_init__'s errors)."""
+
+    __pydantic_config__ = {"extra": "forbid"}
 
     num_bits: Literal[4, 8] = 4
     type: Literal["int", "float"] = "int"  # float: float8 E4M3
@@ -29,8 +32,12 @@ class QuantArgs(BaseModel):
     # columns quantized in decreasing Hessian-diagonal order (GPTQ); "group" also regroups them, needing g_idx
     actorder: ActOrder | None = None
 
-    @model_validator(mode="after")
-    def _fields_match_strategy(self) -> "QuantArgs":
+    def __post_init__(self) -> None:
+        for name in ("num_bits", "type", "strategy", "actorder"):
+            allowed = get_args(self.__annotations__[name])
+            allowed = get_args(allowed[0]) + (None,) if name == "actorder" else allowed
+            if getattr(self, name) not in allowed:
+                raise ValueError(f"{name} must be one of {allowed}, not {getattr(self, name)!r}")
         if self.strategy == "group" and (self.group_size is None or self.group_size <= 0):
             raise ValueError("strategy 'group' needs a positive group_size")
         if self.actorder == "group" and self.strategy != "group":
@@ -45,7 +52,8 @@ class QuantArgs(BaseModel):
             object.__setattr__(self, "block_structure", (128, 128))
         if self.strategy != "block" and self.block_structure is not None:
             raise ValueError("block_structure needs strategy 'block'")
-        return self
+        if self.block_structure is not None:
+            object.__setattr__(self, "block_structure", tuple(self.block_structure))
 
     @property
     def qmin(self) -> float:

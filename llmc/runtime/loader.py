@@ -4,7 +4,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from llmc.artifact.compressed_tensors import schemes_from_config
+from llmc.artifact.ct_config import schemes_from_config
 from llmc.artifact.reader import read_quantized_weight, scheme_of
 from llmc.models.checkpoint import CheckpointReader
 from llmc.runtime.layers.linear import LinearWeight, build_linear
