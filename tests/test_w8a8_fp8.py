@@ -10,7 +10,7 @@ from llmc.errors import LlmcError
 from llmc.models.checkpoint import CheckpointReader
 from llmc.models.loading import load_model
 from llmc.pipeline import run_quantize
-from llmc.quant.kernels_cpu import quantized_linear
+from llmc.quant.quantized_mm import quantized_linear
 from llmc.recipe import load_recipe
 
 from conftest import build_tiny_model, write_recipe

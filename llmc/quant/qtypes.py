@@ -205,7 +205,7 @@ def quantize_activation(
     if static_scale is None:
         scale, zero_point = compute_qparams(*observe_minmax(flat, args), args, torch.float32)
     else:
-        scale, zero_point = static_scale.float().reshape(1), torch.zeros(1, dtype=torch.int8)
+        scale, zero_point = static_scale.float().reshape(1), torch.zeros(1, dtype=torch.int8, device=x.device)
     return quantize(flat, scale, zero_point, args), scale
 
 

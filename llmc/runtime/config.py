@@ -15,6 +15,7 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     dtype: torch.dtype = torch.bfloat16  # float32 runs the exact path (dense matmuls), bfloat16 the int4 kernels
     device: str = "cpu"
+    enforce_eager: bool = False  # CUDA: run decode steps eagerly instead of replaying captured CUDA graphs
     speculative: Path | None = None  # a draft folder (config.json + heads) to propose tokens with
     num_speculative_tokens: int | None = None  # None: one per draft head
     speculative_max_num_seqs: int = 4  # above this many sequences in a step, decode without drafts

@@ -2,16 +2,26 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from transformers import AutoTokenizer
+from transformers import AutoConfig, AutoTokenizer
 
 from llmc.errors import LlmcError
 from llmc.runtime.block_manager import BlockManager
 from llmc.runtime.config import EngineConfig
 from llmc.runtime.layers.sampler import SampledToken
+from llmc.runtime.loader import WeightLoader
 from llmc.runtime.model_runner import ModelRunner
 from llmc.runtime.sampling_params import SamplingParams
 from llmc.runtime.scheduler import Scheduler
 from llmc.runtime.sequence import Sequence
+
+
+def eos_token_ids(tokenizer, folder: Path) -> set[int]:
+    ids = {tokenizer.eos_token_id} - {None}
+    for name in ("config.json", "generation_config.json"):
+        path = folder / name
+        value = json.loads(path.read_text()).get("eos_token_id") if path.is_file() else None
+        ids |= set(value if isinstance(value, list) else [value] if value is not None else [])
+    return ids
 
 
 @dataclass(slots=True)
@@ -28,24 +38,26 @@ class LLMEngine:
     def __init__(self, model: str | Path, config: EngineConfig | None = None):
         from llmc.models.spec import resolve_model
 
-        self.config = config or EngineConfig()
+        config = config or EngineConfig()
         folder = resolve_model(str(model))
-        self.model_name = str(model)
-        self.tokenizer = AutoTokenizer.from_pretrained(folder)
-        self.runner = ModelRunner(folder, self.config)
-        self.max_model_len = self.runner.max_model_len
-        self.block_manager = BlockManager(self.runner.num_blocks, self.config.block_size, self.config.enable_prefix_caching)
-        self.scheduler = Scheduler(self.config, self.block_manager)
-        self.sequences: dict[str, Sequence] = {}
-        self.eos_token_ids = self._eos_token_ids(folder)
+        tokenizer = AutoTokenizer.from_pretrained(folder)
+        runner = ModelRunner(AutoConfig.from_pretrained(folder), WeightLoader(folder, config.dtype, config.device), config)
+        self._start(str(model), runner, tokenizer, config, eos_token_ids(tokenizer, folder))
 
-    def _eos_token_ids(self, folder: Path) -> set[int]:
-        ids = {self.tokenizer.eos_token_id} - {None}
-        for name in ("config.json", "generation_config.json"):
-            path = folder / name
-            value = json.loads(path.read_text()).get("eos_token_id") if path.is_file() else None
-            ids |= set(value if isinstance(value, list) else [value] if value is not None else [])
-        return ids
+    @classmethod
+    def from_runner(cls, name: str, runner: ModelRunner, tokenizer, config: EngineConfig) -> "LLMEngine":
+        """An engine over a model built elsewhere (e.g. random weights for a benchmark)."""
+        engine = cls.__new__(cls)
+        engine._start(name, runner, tokenizer, config, {tokenizer.eos_token_id} - {None})
+        return engine
+
+    def _start(self, name: str, runner: ModelRunner, tokenizer, config: EngineConfig, eos_ids: set[int]) -> None:
+        self.config, self.model_name, self.runner, self.tokenizer = config, name, runner, tokenizer
+        self.max_model_len = runner.max_model_len
+        self.block_manager = BlockManager(runner.num_blocks, config.block_size, config.enable_prefix_caching)
+        self.scheduler = Scheduler(config, self.block_manager)
+        self.sequences: dict[str, Sequence] = {}
+        self.eos_token_ids = eos_ids
 
     def tokenize(self, prompt: str | list[int]) -> list[int]:
         return self.tokenizer.encode(prompt, add_special_tokens=False) if isinstance(prompt, str) else list(prompt)

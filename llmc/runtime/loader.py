@@ -4,20 +4,25 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from llmc.artifact.ct_config import schemes_from_config
+from llmc.artifact.ct_config import kv_cache_args_from_config, schemes_from_config
 from llmc.artifact.reader import read_quantized_weight, scheme_of
 from llmc.models.checkpoint import CheckpointReader
-from llmc.runtime.layers.linear import LinearWeight, build_linear
+from llmc.runtime.layers.linear import build_linear
+from llmc.runtime.layers.linear_weight import LinearWeight
 
 
 class WeightLoader:
-    """Reads a model's tensors from an artifact (packed int weights stay packed) or a plain HF folder."""
+    """Reads a model's tensors from an artifact (packed int weights stay packed) or a plain HF folder. An artifact
+    with an FP8 kv_cache_scheme gets an FP8 KV cache with its k_scale / v_scale; other KV formats are served in the
+    compute dtype."""
 
     def __init__(self, folder: Path, dtype: torch.dtype, device: str):
         self.reader = CheckpointReader(folder)
         self.dtype, self.device = dtype, device
         quantization = json.loads((folder / "config.json").read_text()).get("quantization_config")
         self.schemes = schemes_from_config(quantization) if quantization else []
+        kv_cache = kv_cache_args_from_config(quantization) if quantization else None
+        self.kv_cache_dtype = torch.float8_e4m3fn if kv_cache is not None and kv_cache.type == "float" else dtype
 
     def __contains__(self, name: str) -> bool:
         return name in self.reader
@@ -25,11 +30,24 @@ class WeightLoader:
     def tensor(self, name: str) -> torch.Tensor:
         return self.reader.tensor(name).to(self.device, self.dtype)
 
+    def kv_scales(self, prefix: str, num_kv_heads: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(k_scale, v_scale) of one attention module, one float32 per KV head, when the KV cache is FP8."""
+        if self.kv_cache_dtype != torch.float8_e4m3fn:
+            return None
+        return tuple(
+            self.reader.tensor(f"{prefix}.{name}").float().reshape(-1).expand(num_kv_heads).contiguous().to(self.device)
+            for name in ("k_scale", "v_scale")
+        )
+
     def linear(self, names: list[str]) -> nn.Module:
         return build_linear([self._linear_weight(name) for name in names], self.dtype, self.device)
 
     def _linear_weight(self, name: str) -> LinearWeight:
         bias = self.reader.tensor(f"{name}.bias") if f"{name}.bias" in self.reader else None
-        if f"{name}.weight_scale" in self.reader:
-            return LinearWeight(read_quantized_weight(self.reader, name, scheme_of(name, self.schemes)[1]), bias)
-        return LinearWeight(self.reader.tensor(f"{name}.weight"), bias)
+        if f"{name}.weight_scale" not in self.reader:
+            return LinearWeight(self.reader.tensor(f"{name}.weight"), bias)
+        _, args, input_activations = scheme_of(name, self.schemes)
+        weight = read_quantized_weight(self.reader, name, args)
+        weight.input_activations = input_activations
+        static = input_activations is not None and not input_activations.dynamic
+        return LinearWeight(weight, bias, self.reader.tensor(f"{name}.input_scale") if static else None)

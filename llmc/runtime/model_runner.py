@@ -1,11 +1,10 @@
 import logging
-from pathlib import Path
 
 import torch
-from transformers import AutoConfig
 
 from llmc.errors import LlmcError
 from llmc.runtime.config import EngineConfig
+from llmc.runtime.cuda_graphs import DecodeGraphs
 from llmc.runtime.layers.attention import AttentionMetadata
 from llmc.runtime.layers.sampler import SampledToken, sample
 from llmc.runtime.loader import WeightLoader
@@ -17,10 +16,10 @@ SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
 
 
 class ModelRunner:
-    """Owns the model and the paged KV cache; turns scheduled sequences into one flat batch and samples."""
+    """Owns the model and the paged KV cache; turns scheduled sequences into one flat batch and samples. On CUDA,
+    decode-only steps replay CUDA graphs captured per batch size."""
 
-    def __init__(self, folder: Path, config: EngineConfig):
-        hf_config = AutoConfig.from_pretrained(folder)
+    def __init__(self, hf_config, weights: WeightLoader, config: EngineConfig):
         if hf_config.model_type not in SUPPORTED_MODEL_TYPES:
             raise LlmcError(f"the llmc runtime serves {SUPPORTED_MODEL_TYPES} models, not {hf_config.model_type!r}")
         self.hf_config = hf_config
@@ -28,7 +27,8 @@ class ModelRunner:
         self.device = config.device
         num_layers, num_kv_heads = hf_config.num_hidden_layers, hf_config.num_key_value_heads
         head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // hf_config.num_attention_heads
-        block_bytes = 2 * num_layers * config.block_size * num_kv_heads * head_dim * config.dtype.itemsize
+        kv_dtype = weights.kv_cache_dtype
+        block_bytes = 2 * num_layers * config.block_size * num_kv_heads * head_dim * kv_dtype.itemsize
         blocks_per_seq = -(-hf_config.max_position_embeddings // config.block_size)
         self.num_blocks = config.num_kv_blocks or min(int(config.kv_cache_gib * 2**30 // block_bytes), config.max_num_seqs * blocks_per_seq)
         self.max_model_len = min(
@@ -38,9 +38,12 @@ class ModelRunner:
         )
         if getattr(hf_config, "sliding_window", None) and getattr(hf_config, "use_sliding_window", True):
             self.max_model_len = min(self.max_model_len, hf_config.sliding_window)
-        self.model = LlamaForCausalLM(hf_config, WeightLoader(folder, config.dtype, config.device), self.max_model_len)
+        self.model = LlamaForCausalLM(hf_config, weights, self.max_model_len)
+        use_graphs = config.device.startswith("cuda") and not config.enforce_eager and config.speculative is None
+        # with graphs, one block past those the block manager hands out takes the K/V of padding rows
         self.kv_cache = torch.zeros(
-            2, num_layers, self.num_blocks, config.block_size, num_kv_heads, head_dim, dtype=config.dtype, device=config.device
+            2, num_layers, self.num_blocks + use_graphs, config.block_size, num_kv_heads, head_dim, dtype=kv_dtype,
+            device=config.device,
         )
         for index, attention in enumerate(self.model.attention_layers()):
             attention.k_cache, attention.v_cache = self.kv_cache[0, index], self.kv_cache[1, index]
@@ -54,6 +57,10 @@ class ModelRunner:
             from llmc.runtime.spec.decoder import SpeculativeDecoder
 
             self.speculator = SpeculativeDecoder(config.speculative, self.model, config, hf_config.hidden_size, self.max_model_len)
+        self.graphs = None
+        if use_graphs:
+            max_blocks = -(-self.max_model_len // config.block_size)
+            self.graphs = DecodeGraphs(self.model, config.max_num_seqs, max_blocks, self.num_blocks * config.block_size, config.device)
         logger.info("KV cache: %d blocks of %d tokens; max model length %d", self.num_blocks, self.block_size, self.max_model_len)
 
     def _prepare(self, seqs: list[Sequence]) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
@@ -84,6 +91,8 @@ class ModelRunner:
     def forward(self, seqs: list[Sequence]) -> torch.Tensor:
         """The final hidden states of every scheduled token (their K/V go into the cache)."""
         input_ids, positions, metadata = self._prepare(seqs)
+        if self.graphs is not None and self.graphs.covers(metadata):
+            return self.graphs.replay(input_ids, positions, metadata)
         return self.model(input_ids, positions, metadata)
 
     @torch.inference_mode()

@@ -1,9 +1,15 @@
-"""Paged attention: K/V live in fixed-size blocks and every sequence reads them through its block table."""
+"""Paged attention: K/V live in fixed-size blocks and every sequence reads them through its block table. With an
+FP8 KV cache (an artifact's kv_cache_scheme), K and V are stored as float8 E4M3 divided by their calibrated
+per-KV-head scale and multiplied back when read."""
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from llmc.quant.qtypes import QuantArgs, dequantize_columns, quantize_columns
+
+FP8_KV = QuantArgs(num_bits=8, type="float", strategy="channel")
 
 
 @dataclass(slots=True)
@@ -16,6 +22,23 @@ class AttentionMetadata:
     num_decodes: int  # the first num_decodes sequences have exactly one new token
 
 
+def store_kv(cache: torch.Tensor, slot_mapping: torch.Tensor, states: torch.Tensor, kv_scale: torch.Tensor | None) -> None:
+    """Write [tokens, kv_heads, head_dim] into their cache slots, quantized when the cache is FP8."""
+    flat = cache.view(-1, *cache.shape[2:])
+    if kv_scale is None:
+        flat.index_copy_(0, slot_mapping, states)
+        return
+    codes = quantize_columns(states, kv_scale[:, None], torch.zeros((), dtype=torch.int8, device=states.device), FP8_KV)
+    flat.view(torch.uint8).index_copy_(0, slot_mapping, codes.view(torch.uint8))  # byte copies: no float8 kernel needed
+
+
+def read_kv(states: torch.Tensor, kv_scale: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
+    """[..., kv_heads, head_dim] cache entries in `dtype`."""
+    if kv_scale is None:
+        return states.to(dtype)
+    return dequantize_columns(states, kv_scale[:, None].to(dtype), torch.zeros((), dtype=torch.int8, device=states.device))
+
+
 def gather_kv(cache: torch.Tensor, block_table: torch.Tensor, context_len: int) -> torch.Tensor:
     """[num_blocks, block_size, kv_heads, head_dim] cache -> [context_len, kv_heads, head_dim] for one sequence."""
     return cache[block_table].flatten(0, 1)[:context_len]
@@ -23,13 +46,13 @@ def gather_kv(cache: torch.Tensor, block_table: torch.Tensor, context_len: int) 
 
 def decode_attention_reference(
     query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
-    context_lens: torch.Tensor, scale: float,
+    context_lens: torch.Tensor, scale: float, k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """One query token per sequence: [num_seqs, heads, head_dim] -> same shape. Plain matmuls in float32: for a
-    single query, torch's CPU flash-attention kernel is twice as slow."""
+    single query, torch's CPU flash-attention kernel is twice as slow. k_scale / v_scale: [kv_heads], FP8 caches."""
     num_seqs, num_heads, head_dim = query.shape
-    keys = k_cache[block_tables].flatten(1, 2).float()  # [num_seqs, max_len, kv_heads, head_dim]
-    values = v_cache[block_tables].flatten(1, 2).float()
+    keys = read_kv(k_cache[block_tables].flatten(1, 2), k_scale, torch.float32)  # [num_seqs, max_len, kv_heads, head_dim]
+    values = read_kv(v_cache[block_tables].flatten(1, 2), v_scale, torch.float32)
     num_kv_heads = keys.shape[2]
     grouped = query.view(num_seqs, num_kv_heads, num_heads // num_kv_heads, head_dim).float()
     scores = torch.einsum("bhgd,blhd->bhgl", grouped, keys) * scale
@@ -41,12 +64,12 @@ def decode_attention_reference(
 
 def prefill_attention_reference(
     query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,
-    context_len: int, scale: float,
+    context_len: int, scale: float, k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """A chunk of one sequence's queries against its cached prefix and itself, causally."""
     query_len = query.shape[0]
-    keys = gather_kv(k_cache, block_table, context_len).transpose(0, 1)
-    values = gather_kv(v_cache, block_table, context_len).transpose(0, 1)
+    keys = read_kv(gather_kv(k_cache, block_table, context_len), k_scale, query.dtype).transpose(0, 1)
+    values = read_kv(gather_kv(v_cache, block_table, context_len), v_scale, query.dtype).transpose(0, 1)
     if query_len == context_len:
         mask, is_causal = None, True
     else:
@@ -64,17 +87,19 @@ class PagedAttention(nn.Module):
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.scale = head_dim**-0.5
         self.k_cache = self.v_cache = torch.empty(0)  # bound by the model runner
+        self.k_scale: torch.Tensor | None = None  # [kv_heads] float32 when the cache is FP8
+        self.v_scale: torch.Tensor | None = None
         self.decode_attention = decode_attention_reference
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, metadata: AttentionMetadata) -> torch.Tensor:
-        self.k_cache.view(-1, self.num_kv_heads, self.head_dim).index_copy_(0, metadata.slot_mapping, k)
-        self.v_cache.view(-1, self.num_kv_heads, self.head_dim).index_copy_(0, metadata.slot_mapping, v)
+        store_kv(self.k_cache, metadata.slot_mapping, k, self.k_scale)
+        store_kv(self.v_cache, metadata.slot_mapping, v, self.v_scale)
         num_decodes = metadata.num_decodes
         outputs = []
         if num_decodes:
             outputs.append(self.decode_attention(
                 q[:num_decodes], self.k_cache, self.v_cache, metadata.block_tables[:num_decodes],
-                metadata.context_lens[:num_decodes], self.scale,
+                metadata.context_lens[:num_decodes], self.scale, self.k_scale, self.v_scale,
             ))
         start = num_decodes
         for index in range(num_decodes, len(metadata.query_lens)):
@@ -82,6 +107,8 @@ class PagedAttention(nn.Module):
             context_len = metadata.seq_lens[index]
             num_blocks = (context_len + self.k_cache.shape[1] - 1) // self.k_cache.shape[1]
             block_table = metadata.block_tables[index, :num_blocks]
-            outputs.append(prefill_attention_reference(q[start:end], self.k_cache, self.v_cache, block_table, context_len, self.scale))
+            outputs.append(prefill_attention_reference(
+                q[start:end], self.k_cache, self.v_cache, block_table, context_len, self.scale, self.k_scale, self.v_scale,
+            ))
             start = end
         return torch.cat(outputs) if len(outputs) > 1 else outputs[0]

@@ -1,23 +1,13 @@
 """Linear layers built once at load from an artifact's weights. Each kernel says which weights, dtypes and devices it
 `supports`; `build_linear` takes the first that does, so W8A8, FP8 and GPU kernels plug in by joining KERNELS."""
-from dataclasses import dataclass
-
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from llmc.quant.qtypes import QuantizedWeight
-
-
-@dataclass(slots=True)
-class LinearWeight:
-    weight: torch.Tensor | QuantizedWeight  # [out, in]
-    bias: torch.Tensor | None = None
-
-    @property
-    def out_features(self) -> int:
-        weight = self.weight
-        return (weight.codes if isinstance(weight, QuantizedWeight) else weight).shape[0]
+from llmc.runtime.layers.int4_triton_linear import Int4TritonLinear
+from llmc.runtime.layers.linear_weight import LinearWeight, merge
+from llmc.runtime.layers.quantized_input_linear import QuantizedInputLinear
 
 
 class DenseLinear(nn.Module):
@@ -76,27 +66,7 @@ class Int4CpuLinear(nn.Module):
         return out if self.bias is None else out + self.bias
 
 
-KERNELS: list[type[nn.Module]] = [Int4CpuLinear, DenseLinear]  # by priority; DenseLinear takes anything
-
-
-def merge(parts: list[LinearWeight]) -> LinearWeight:
-    """Stack projections that read the same input (q/k/v, gate/up) into one matmul."""
-    if len(parts) == 1:
-        return parts[0]
-    weights = [part.weight for part in parts]
-    if all(isinstance(weight, QuantizedWeight) for weight in weights) and len({weight.args for weight in weights}) == 1:
-        weight = QuantizedWeight(
-            torch.cat([w.codes for w in weights]),
-            torch.cat([w.scale for w in weights]),
-            torch.cat([w.zero_point for w in weights]),
-            weights[0].args,
-        )
-    else:  # formats differ: run the group dense
-        weight = torch.cat([w.dequantize() if isinstance(w, QuantizedWeight) else w for w in weights])
-    bias = None
-    if any(part.bias is not None for part in parts):
-        bias = torch.cat([part.bias if part.bias is not None else torch.zeros(part.out_features) for part in parts])
-    return LinearWeight(weight, bias)
+KERNELS: list[type[nn.Module]] = [QuantizedInputLinear, Int4TritonLinear, Int4CpuLinear, DenseLinear]  # by priority; DenseLinear takes anything
 
 
 def build_linear(parts: list[LinearWeight], dtype: torch.dtype, device: str) -> nn.Module:

@@ -4,7 +4,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from llmc.runtime.layers.attention import AttentionMetadata, PagedAttention
-from llmc.runtime.layers.linear import DenseLinear, LinearWeight
+from llmc.runtime.layers.linear import DenseLinear
+from llmc.runtime.layers.linear_weight import LinearWeight
 from llmc.runtime.layers.norm import RMSNorm
 from llmc.runtime.layers.rotary import RotaryEmbedding
 from llmc.runtime.loader import WeightLoader
@@ -19,6 +20,9 @@ class LlamaAttention(nn.Module):
         self.o_proj = weights.linear([f"{prefix}.o_proj"])
         self.rotary = rotary
         self.attn = PagedAttention(self.num_heads, self.num_kv_heads, self.head_dim)
+        kv_scales = weights.kv_scales(prefix, self.num_kv_heads)
+        if kv_scales is not None:
+            self.attn.k_scale, self.attn.v_scale = kv_scales
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor, metadata: AttentionMetadata) -> torch.Tensor:
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim

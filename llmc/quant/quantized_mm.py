@@ -1,0 +1,67 @@
+"""Quantized Linear forwards on torch's own kernels, shared by the runtime and the tests that check it against fake
+quantization: int8 x int8 -> int32 GEMM through torch._int_mm, float8 E4M3 GEMM through torch._scaled_mm.
+On CPU both accumulate exactly and the scales multiply the float32 result, as fake quantization does; on CUDA the
+FP8 scales go into _scaled_mm's epilogue. FP8 blocks accumulate one 128-column slice at a time, each scaled by its
+activation group and weight block."""
+import torch
+import torch.nn.functional as F
+
+from llmc.quant.qtypes import QuantizedWeight, quantize_activation
+
+CUDA_INT_MM_MIN_ROWS = 17  # cuBLAS's int8 GEMM in torch._int_mm refuses 16 rows or fewer
+
+
+def _int8_mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """[M, K] x [N, K] int8 -> [M, N] int32."""
+    rows = a.shape[0]
+    if a.is_cuda and rows < CUDA_INT_MM_MIN_ROWS:
+        return torch._int_mm(F.pad(a, (0, 0, 0, CUDA_INT_MM_MIN_ROWS - rows)), b.t())[:rows]
+    return torch._int_mm(a, b.t())
+
+
+def _fp8_mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """[M, K] x [N, K] float8 -> [M, N] float32, unscaled."""
+    unit = torch.ones((), device=a.device)
+    return torch._scaled_mm(a, b.t(), scale_a=unit, scale_b=unit, out_dtype=torch.float32)
+
+
+def _fp8_mm_scaled(a: torch.Tensor, act_scale: torch.Tensor, weight: QuantizedWeight, out_dtype: torch.dtype) -> torch.Tensor:
+    """The scales in the GEMM's epilogue: one scalar each (tensor-wise), else one per row and per column (row-wise,
+    which takes bfloat16 outputs only)."""
+    weight_scale = weight.scale.float()
+    if act_scale.numel() == 1 and weight_scale.numel() == 1:
+        return torch._scaled_mm(a, weight.codes.t(), scale_a=act_scale.reshape(()), scale_b=weight_scale.reshape(()), out_dtype=out_dtype)
+    scale_a = act_scale.float().reshape(-1, 1).expand(a.shape[0], 1).contiguous()
+    scale_b = weight_scale.reshape(1, -1).expand(1, weight.codes.shape[0]).contiguous()
+    return torch._scaled_mm(a, weight.codes.t(), scale_a=scale_a, scale_b=scale_b, out_dtype=torch.bfloat16)
+
+
+def _block_fp8_mm(codes: torch.Tensor, act_scale: torch.Tensor, weight: QuantizedWeight) -> torch.Tensor:
+    rows, columns = weight.args.block_structure
+    if weight.input_activations.strategy != "group" or weight.input_activations.group_size != columns:
+        raise ValueError("FP8 block weights take per-token-group activations with one group per block column")
+    row_scale = weight.scale.float().repeat_interleave(rows, dim=0)[: weight.codes.shape[0]]  # [out, in blocks]
+    act_scale = act_scale.reshape(codes.shape[0], -1)  # [tokens, in blocks]
+    out = torch.zeros(codes.shape[0], weight.codes.shape[0], device=codes.device)
+    for block, start in enumerate(range(0, codes.shape[1], columns)):
+        partial = _fp8_mm(codes[:, start : start + columns].contiguous(), weight.codes[:, start : start + columns].contiguous())
+        out += partial * act_scale[:, block : block + 1] * row_scale[:, block]
+    return out
+
+
+def quantized_linear(
+    x: torch.Tensor, weight: QuantizedWeight, input_scale: torch.Tensor | None = None, bias: torch.Tensor | None = None
+) -> torch.Tensor:
+    """y = x Wᵀ (+ bias) with x quantized as weight.input_activations says (input_scale when static)."""
+    args = weight.input_activations
+    codes, act_scale = quantize_activation(x, args, input_scale)
+    if weight.args.strategy == "block":
+        out = _block_fp8_mm(codes, act_scale, weight)
+    elif args.type == "float" and x.is_cuda:
+        out = _fp8_mm_scaled(codes, act_scale, weight, x.dtype)
+    else:
+        accumulated = _int8_mm(codes, weight.codes) if args.type == "int" else _fp8_mm(codes, weight.codes)
+        out = accumulated.float() * act_scale.reshape(-1, 1) * weight.scale.float().reshape(1, -1)
+    if bias is not None:
+        out = out + bias
+    return out.reshape(*x.shape[:-1], -1).to(x.dtype)

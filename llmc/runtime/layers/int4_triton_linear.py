@@ -1,0 +1,44 @@
+"""Int4 group weights (symmetric, or asymmetric with zero points: GPTQ, AWQ) on the Triton W4A16 kernel. Chosen on
+CUDA; the kernel module (and Triton) is imported only when one is built."""
+import torch
+from torch import nn
+
+from llmc.quant.qtypes import QuantizedWeight
+from llmc.runtime.layers.linear_weight import LinearWeight
+
+
+class Int4TritonLinear(nn.Module):
+    def __init__(self, weight: LinearWeight, dtype: torch.dtype, device: str):
+        super().__init__()
+        from llmc.runtime.layers.triton_w4a16 import repack_int4, w4a16_matmul
+
+        self.matmul = w4a16_matmul
+        quantized = weight.weight
+        self.group_size = quantized.args.group_size
+        self.out_features = quantized.codes.shape[0]
+        self.register_buffer("packed", repack_int4(quantized.codes.to(device)))
+        self.register_buffer("scales", quantized.scale.to(device, dtype).t().contiguous())  # [in / group_size, out]
+        zeros = None if quantized.args.symmetric else quantized.zero_point.to(device, dtype).t().contiguous()
+        self.register_buffer("zeros", zeros)
+        self.bias = None if weight.bias is None else nn.Parameter(weight.bias.to(device, dtype), requires_grad=False)
+
+    @staticmethod
+    def supports(weight: LinearWeight, dtype: torch.dtype, device: str) -> bool:
+        quantized = weight.weight
+        return (
+            device.startswith("cuda")
+            and dtype in (torch.float16, torch.bfloat16)
+            and isinstance(quantized, QuantizedWeight)
+            and quantized.input_activations is None
+            and quantized.g_idx is None
+            and quantized.args.type == "int"
+            and quantized.args.num_bits == 4
+            and quantized.args.strategy == "group"
+            and quantized.codes.shape[1] % 8 == 0
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        flat = x.reshape(-1, x.shape[-1])
+        out = self.matmul(flat, self.packed, self.scales, self.zeros, self.group_size)
+        out = out.reshape(*x.shape[:-1], self.out_features)
+        return out if self.bias is None else out + self.bias

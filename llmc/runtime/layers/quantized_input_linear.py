@@ -1,0 +1,44 @@
+"""W8A8 (int8) and FP8 Linears as the artifact describes them: inputs are quantized at run time, per token or with
+the calibrated per-tensor scale, and multiplied in int8 or float8 by llmc.quant.quantized_mm: the arithmetic that
+evaluation's fake quantization emulates, not dequantized weights."""
+import torch
+from torch import nn
+
+from llmc.quant.qtypes import QuantizedWeight
+from llmc.quant.quantized_mm import quantized_linear
+from llmc.runtime.layers.linear_weight import LinearWeight
+
+
+def _cuda_fp8_gemm_available(device: str) -> bool:
+    return torch.cuda.is_available() and torch.cuda.get_device_capability(torch.device(device)) >= (8, 9)
+
+
+class QuantizedInputLinear(nn.Module):
+    def __init__(self, weight: LinearWeight, dtype: torch.dtype, device: str):
+        super().__init__()
+        quantized = weight.weight
+        self.weight = QuantizedWeight(
+            quantized.codes.to(device), quantized.scale.to(device, torch.float32), quantized.zero_point.to(device),
+            quantized.args, None, quantized.input_activations,
+        )
+        self.input_scale = None if weight.input_scale is None else weight.input_scale.to(device, torch.float32)
+        self.bias = None if weight.bias is None else weight.bias.to(device, dtype)
+
+    @staticmethod
+    def supports(weight: LinearWeight, dtype: torch.dtype, device: str) -> bool:
+        quantized = weight.weight
+        if not isinstance(quantized, QuantizedWeight) or quantized.input_activations is None or quantized.g_idx is not None:
+            return False
+        args, out_features, in_features = quantized.args, *quantized.codes.shape
+        if not args.symmetric or args.num_bits != 8:
+            return False
+        if device == "cpu":
+            return args.strategy in ("channel", "tensor") or (args.type == "float" and args.strategy == "block")
+        if args.strategy not in ("channel", "tensor"):
+            return False
+        if args.type == "int":
+            return in_features % 8 == 0 and out_features % 8 == 0
+        return _cuda_fp8_gemm_available(device) and in_features % 16 == 0 and out_features % 16 == 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return quantized_linear(x, self.weight, self.input_scale, self.bias)

@@ -1,0 +1,73 @@
+"""W4A16 GEMM / GEMV as a Triton kernel: int4 weights repacked once at load into [in / 8, out] int32 words (eight
+consecutive input columns of one output per word, so that a tile's loads run along the output dim), dequantized in
+registers with their group scale and zero point, multiplied in the activations' dtype with float32 accumulation.
+Small batches split the input dim across programs (atomic float32 adds) so that decode keeps every SM busy.
+Imported only where it runs: on GPU, or on CPU under TRITON_INTERPRET=1 in the tests."""
+import torch
+import triton
+import triton.language as tl
+
+PACK = 8  # int4 codes per int32 word
+
+
+@triton.jit
+def _w4a16_kernel(
+    x, packed, scales, zeros, out, M, N, K, group_size, stride_x, stride_out,
+    HAS_ZEROS: tl.constexpr, SPLIT_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    row_mask, col_mask = rows < M, cols < N
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for start in range(tl.program_id(2) * BLOCK_K, K, BLOCK_K * SPLIT_K):
+        ks = start + tl.arange(0, BLOCK_K)
+        k_mask = ks < K
+        a = tl.load(x + rows[:, None] * stride_x + ks[None, :], mask=row_mask[:, None] & k_mask[None, :], other=0.0)
+        w_mask = k_mask[:, None] & col_mask[None, :]
+        words = tl.load(packed + (ks // 8)[:, None] * N + cols[None, :], mask=w_mask, other=0)
+        codes = ((words >> ((ks % 8) * 4)[:, None]) & 0xF).to(tl.float32) - 8.0
+        group_offsets = (ks // group_size)[:, None] * N + cols[None, :]
+        if HAS_ZEROS:
+            codes -= tl.load(zeros + group_offsets, mask=w_mask, other=0.0).to(tl.float32)
+        w = codes * tl.load(scales + group_offsets, mask=w_mask, other=0.0).to(tl.float32)
+        acc += tl.dot(a, w.to(a.dtype))
+    offsets = rows[:, None] * stride_out + cols[None, :]
+    mask = row_mask[:, None] & col_mask[None, :]
+    if SPLIT_K == 1:
+        tl.store(out + offsets, acc.to(out.dtype.element_ty), mask=mask)
+    else:
+        tl.atomic_add(out + offsets, acc, mask=mask)
+
+
+def repack_int4(codes: torch.Tensor) -> torch.Tensor:
+    """Signed int4 codes [out, in] (in a multiple of 8) -> int32 words [in / 8, out]; nibble j of word [r, n] holds
+    codes[n, 8r + j] + 8."""
+    unsigned = (codes.to(torch.int32) + 8).t().reshape(-1, PACK, codes.shape[0])  # [in / 8, 8, out]
+    shifts = (torch.arange(PACK, dtype=torch.int32, device=codes.device) * 4).reshape(1, PACK, 1)
+    return (unsigned << shifts).sum(dim=1, dtype=torch.int32).contiguous()  # nibbles are disjoint: sum == or
+
+
+def _split_k(num_tiles: int, num_k_blocks: int, device: torch.device) -> int:
+    if device.type != "cuda":
+        return 1
+    target = 2 * torch.cuda.get_device_properties(device).multi_processor_count
+    return max(1, min(num_k_blocks, target // num_tiles))
+
+
+def w4a16_matmul(
+    x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None, group_size: int,
+    split_k: int | None = None,
+) -> torch.Tensor:
+    """x [M, K] (float16 / bfloat16 / float32) times int4 weights: packed [K / 8, N], scales and zeros [K / group, N]."""
+    x = x.contiguous()
+    (M, K), N = x.shape, packed.shape[1]
+    block_m = 16 if M <= 16 else 32 if M <= 32 else 64
+    block_n, block_k = 64, 64
+    grid_mn = (triton.cdiv(M, block_m), triton.cdiv(N, block_n))
+    split_k = split_k or _split_k(grid_mn[0] * grid_mn[1], triton.cdiv(K, block_k), x.device)
+    out = torch.zeros(M, N, dtype=torch.float32, device=x.device) if split_k > 1 else torch.empty(M, N, dtype=x.dtype, device=x.device)
+    _w4a16_kernel[(*grid_mn, split_k)](
+        x, packed, scales, zeros if zeros is not None else scales, out, M, N, K, group_size, x.stride(0), out.stride(0),
+        HAS_ZEROS=zeros is not None, SPLIT_K=split_k, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
+    )
+    return out.to(x.dtype)
