@@ -1,15 +1,34 @@
-"""The runtime's GPU kernels against their torch references: natively on CUDA (benchmarks/gpu_check.sh), on CPU
-under Triton's interpreter. Shapes are tiny and odd on purpose (masked tails, 3 query heads per KV head)."""
+"""The runtime's GPU kernels against their torch references: natively on CUDA, on CPU under Triton's interpreter.
+Shapes are tiny and odd on purpose (masked tails, 3 query heads per KV head). The GPU check machine has no pytest:
+there `python tests/test_gpu_kernels.py` runs every case itself."""
+import itertools
 import os
+import sys
+import traceback
 
-import pytest
 import torch
 import torch.nn.functional as F
 
 CUDA = torch.cuda.is_available()
 if not CUDA:
     os.environ["TRITON_INTERPRET"] = "1"  # read when the kernels are decorated, i.e. imported below
-pytest.importorskip("triton")
+try:
+    import pytest
+except ImportError:
+    pytest = None
+
+if pytest is not None:
+    pytest.importorskip("triton")
+    parametrize = pytest.mark.parametrize
+else:
+    def parametrize(names: str, values: list):
+        """pytest.mark.parametrize's cases, kept on the function for the __main__ runner below."""
+        def mark(test):
+            keys = [name.strip() for name in names.split(",")]
+            rows = [value if len(keys) > 1 else (value,) for value in values]
+            test.cases = [{**case, **dict(zip(keys, row))} for case, row in itertools.product(getattr(test, "cases", [{}]), rows)]
+            return test
+        return mark
 
 from llmc.quant.qtypes import QuantArgs, fake_quantize_activation, quantize_weight  # noqa: E402
 from llmc.runtime.layers.attention import (  # noqa: E402
@@ -40,8 +59,8 @@ BLOCK_TABLES = torch.tensor([[3, 7, 1], [0, 0, 0], [11, 2, 0]])
 CONTEXT_LENS = torch.tensor([40, 5, 17])
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-@pytest.mark.parametrize("num_heads, num_kv_heads", [(4, 2), (6, 2)])
+@parametrize("dtype", [torch.float32, torch.float16])
+@parametrize("num_heads, num_kv_heads", [(4, 2), (6, 2)])
 def test_triton_paged_decode_matches_reference(dtype, num_heads, num_kv_heads):
     k_cache, v_cache = paged(num_kv_heads)
     query = torch.randn(3, num_heads, 16, generator=generator(2))
@@ -82,7 +101,7 @@ def test_fp8_kv_cache_round_trip_and_reference_reads():
     )
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@parametrize("dtype", [torch.float32, torch.float16])
 def test_triton_decode_reads_fp8_kv_cache(dtype):
     _, (k_cache, v_cache), (k_scale, v_scale), (k_deq, v_deq) = fp8_cache()
     query = torch.randn(3, 6, 16, generator=generator(2))
@@ -99,8 +118,8 @@ def int4_weight(symmetric: bool, out_features: int = 96, in_features: int = 192,
     return quantize_weight(weight, QuantArgs(num_bits=4, symmetric=symmetric, group_size=group_size))
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-@pytest.mark.parametrize("symmetric, rows, split_k", [(True, 1, 1), (True, 5, 2), (False, 19, 3)])
+@parametrize("dtype", [torch.float32, torch.float16])
+@parametrize("symmetric, rows, split_k", [(True, 1, 1), (True, 5, 2), (False, 19, 3)])
 def test_triton_w4a16_matches_dequantized_weights(dtype, symmetric, rows, split_k):
     quantized = int4_weight(symmetric)
     x = torch.randn(rows, 192, generator=generator(5))
@@ -140,7 +159,7 @@ def act_quantized(weights: QuantArgs, activations: QuantArgs, seed: int, out_fea
                         None if activations.dynamic else torch.tensor([0.03]))
 
 
-@pytest.mark.parametrize("formats", list(ACTIVATIONS))
+@parametrize("formats", list(ACTIVATIONS))
 def test_quantized_input_linear_computes_what_fake_quantization_emulates(formats):
     weight = act_quantized(*ACTIVATIONS[formats], seed=8)
     linear = build_linear([weight], torch.float32, DEVICE)
@@ -164,3 +183,17 @@ def test_merged_per_tensor_parts_keep_their_own_scales():
     for out, part in zip(merged(x.to(DEVICE)).cpu().split([32, 16, 16], dim=-1), parts):
         expected = F.linear(fake_quantize_activation(x, activations, part.input_scale), part.weight.dequantize(), part.bias)
         torch.testing.assert_close(out, expected, atol=tolerance, rtol=tolerance)
+
+
+if __name__ == "__main__":
+    failures = 0
+    for name, test in [(name, value) for name, value in globals().items() if name.startswith("test_")]:
+        for case in getattr(test, "cases", [{}]):
+            try:
+                test(**case)
+                print(f"PASS {name} {case or ''}")
+            except Exception:
+                failures += 1
+                print(f"FAIL {name} {case or ''}\n{traceback.format_exc()}")
+    print(f"{failures} failed" if failures else "all passed")
+    sys.exit(1 if failures else 0)

@@ -17,12 +17,12 @@ class QuantizedInputLinear(nn.Module):
     def __init__(self, weight: LinearWeight, dtype: torch.dtype, device: str):
         super().__init__()
         quantized = weight.weight
-        self.weight = QuantizedWeight(
-            quantized.codes.to(device), quantized.scale.to(device, torch.float32), quantized.zero_point.to(device),
-            quantized.args, None, quantized.input_activations,
-        )
-        self.input_scale = None if weight.input_scale is None else weight.input_scale.to(device, torch.float32)
-        self.bias = None if weight.bias is None else weight.bias.to(device, dtype)
+        self.args, self.input_activations = quantized.args, quantized.input_activations
+        self.register_buffer("codes", quantized.codes.to(device))
+        self.register_buffer("weight_scale", quantized.scale.to(device, torch.float32))
+        self.register_buffer("zero_point", quantized.zero_point.to(device))
+        self.register_buffer("input_scale", None if weight.input_scale is None else weight.input_scale.to(device, torch.float32))
+        self.bias = None if weight.bias is None else nn.Parameter(weight.bias.to(device, dtype), requires_grad=False)
 
     @staticmethod
     def supports(weight: LinearWeight, dtype: torch.dtype, device: str) -> bool:
@@ -41,4 +41,5 @@ class QuantizedInputLinear(nn.Module):
         return _cuda_fp8_gemm_available(device) and in_features % 16 == 0 and out_features % 16 == 0
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return quantized_linear(x, self.weight, self.input_scale, self.bias)
+        weight = QuantizedWeight(self.codes, self.weight_scale, self.zero_point, self.args, None, self.input_activations)
+        return quantized_linear(x, weight, self.input_scale, self.bias)
