@@ -3,8 +3,10 @@ Shapes are tiny and odd on purpose (masked tails, 3 query heads per KV head). Th
 there `python tests/test_gpu_kernels.py` runs every case itself."""
 import itertools
 import os
+import subprocess
 import sys
 import traceback
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -127,7 +129,7 @@ def test_triton_w4a16_matches_dequantized_weights(dtype, symmetric, rows, split_
     expected = x.to(dtype).float() @ quantized.dequantize().to(dtype).float().t()
     out = w4a16_matmul(x.to(DEVICE, dtype), linear.packed, linear.scales, linear.zeros, 32, split_k=split_k)
     assert out.dtype == dtype
-    tolerance = TOLERANCE[dtype] * 10  # sums of 192 products
+    tolerance = 3e-2 if CUDA and dtype == torch.float32 else TOLERANCE[dtype] * 10  # sums of 192 products; TF32 dots
     torch.testing.assert_close(out.float().cpu(), expected, atol=tolerance, rtol=tolerance)
 
 
@@ -184,6 +186,41 @@ def test_merged_per_tensor_parts_keep_their_own_scales():
         expected = F.linear(fake_quantize_activation(x, activations, part.input_scale), part.weight.dequantize(), part.bias)
         torch.testing.assert_close(out, expected, atol=tolerance, rtol=tolerance)
 
+
+
+HOPPER_COMPILE = """
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from llmc.runtime.layers.triton_attention import _paged_decode_kernel
+from llmc.runtime.layers.triton_w4a16 import _w4a16_kernel
+
+def compile(kernel, types, constexprs):
+    signature = {name: "constexpr" if name in constexprs else types.get(name, "i32") for name in kernel.arg_names}
+    triton.compile(ASTSource(kernel, signature, constexprs), target=GPUTarget("cuda", 90, 32))
+
+w4a16 = {"x": "*bf16", "packed": "*i32", "scales": "*bf16", "zeros": "*bf16"}
+compile(_w4a16_kernel, w4a16 | {"out": "*fp32"}, {"HAS_ZEROS": True, "SPLIT_K": 4, "BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 64})
+compile(_w4a16_kernel, w4a16 | {"out": "*bf16"}, {"HAS_ZEROS": False, "SPLIT_K": 1, "BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 64})
+for cache in ("*bf16", "*fp8e4nv"):
+    types = {"query": "*bf16", "k_cache": cache, "v_cache": cache, "block_tables": "*i64", "context_lens": "*i64",
+             "out": "*bf16", "scale": "fp32", "k_scale": "*fp32", "v_scale": "*fp32"}
+    constexprs = {"QUERIES_PER_KV": 4, "GROUP": 4, "BLOCK_SIZE": 16, "HEAD_DIM": 128, "FP8_KV": cache == "*fp8e4nv"}
+    compile(_paged_decode_kernel, types, constexprs)
+print("ok")
+"""
+
+
+def test_kernels_compile_for_hopper():
+    """What the interpreter cannot show: the kernels lower to sm_90 machine code (Triton's bundled ptxas, no GPU)."""
+    import triton
+
+    if not (Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas").exists():
+        pytest.skip("this Triton has no bundled ptxas")
+    env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = str(Path(__file__).resolve().parents[1])
+    result = subprocess.run([sys.executable, "-c", HOPPER_COMPILE], env=env, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0 and result.stdout.strip() == "ok", result.stderr[-3000:]
 
 if __name__ == "__main__":
     failures = 0

@@ -8,7 +8,7 @@ import torch.nn.functional as F
 
 from llmc.quant.qtypes import QuantizedWeight, quantize_activation
 
-CUDA_INT_MM_MIN_ROWS = 17  # cuBLAS's int8 GEMM in torch._int_mm refuses 16 rows or fewer
+CUDA_INT_MM_MIN_ROWS = 32  # torch._int_mm's cuBLAS int8 GEMM refuses 16 rows or fewer; small batches are padded
 
 
 def _int8_mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,23 @@
+#!/usr/bin/env bash
+# The llmc runtime on one GPU, in under 8 minutes and with nothing from the internet: the kernel tests natively on
+# the GPU, then batch-1 decode tok/s with memory-bandwidth utilisation and throughput at concurrency 64, per weight
+# format (fp16, W4A16, W8A8, FP8), on random weights in Llama-3-8B's and SmolLM2-135M's shapes.
+# Needs torch, triton and transformers; each section runs under its own time limit and a failing one stops nothing.
+#   benchmarks/gpu_check.sh [gpu_bench.py options, e.g. --formats W4A16 FP8]
+set -u -o pipefail
+cd "$(dirname "$0")/.."
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" TOKENIZERS_PARALLELISM=false TRITON_DEFAULT_FP_FUSION=1
+PYTHON=${PYTHON:-python}
+status=0
+
+echo "== environment"
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader || true
+$PYTHON -c "import torch, triton; print('torch', torch.__version__, '| cuda', torch.version.cuda, '| triton', triton.__version__, '|', torch.cuda.get_device_name(), 'sm_%d%d' % torch.cuda.get_device_capability())" || status=1
+
+echo "== kernel tests on the GPU (tests/test_gpu_kernels.py)"
+timeout 150 $PYTHON tests/test_gpu_kernels.py | grep -v "^PASS" || status=1
+
+echo "== decode benchmark (benchmarks/gpu_bench.py)"
+timeout 320 $PYTHON benchmarks/gpu_bench.py --budget-s 300 "$@" || status=1
+
+exit $status
