@@ -204,7 +204,9 @@ def run(model: str, name: str, sizes: Sizes, dtype: torch.dtype, device: str, ea
         del engine
         eager = build_engine(model, FORMATS[name], sizes, dtype, device, enforce_eager=True)
         eager_tokens_per_s, eager_tokens = batch1_decode(eager, sizes)
-        row["graphs = eager"] = tokens == eager_tokens
+        # split-K atomics sum in any order, so a near-tie may flip late; the leading run of equal tokens shows agreement
+        same = next((index for index, pair in enumerate(zip(tokens, eager_tokens)) if pair[0] != pair[1]), len(tokens))
+        row["tokens = eager"] = f"{same}/{len(tokens)}"
         row["eager tok/s"] = eager_tokens_per_s
     return row
 
