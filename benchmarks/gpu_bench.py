@@ -105,8 +105,10 @@ class RandomWeights:
         if args is None or name == "lm_head":
             return LinearWeight(torch.randn(shape, dtype=self.dtype, device=self.device) * WEIGHT_STD)
         codes, scale = random_codes(shape, args, self.device)
-        scale_shape = {"group": (shape[0], shape[1] // (args.group_size or 1)), "channel": (shape[0], 1), "tensor": (1,)}[args.strategy]
-        scales = torch.full(scale_shape, scale, dtype=self.dtype if args.strategy == "group" else torch.float32, device=self.device)
+        if args.strategy == "group":  # group scales are stored in the model's dtype, the others in float32
+            scales = torch.full((shape[0], shape[1] // args.group_size), scale, dtype=self.dtype, device=self.device)
+        else:
+            scales = torch.full((shape[0], 1) if args.strategy == "channel" else (1,), scale, device=self.device)
         weight = QuantizedWeight(codes, scales, torch.zeros_like(scales, dtype=torch.int8), args, None, self.format.input_activations)
         input_scale = None if self.format.input_scale is None else torch.tensor([self.format.input_scale], device=self.device)
         return LinearWeight(weight, None, input_scale)
@@ -194,7 +196,8 @@ def kv_bytes_per_token(engine: LLMEngine, sizes: Sizes) -> float:
 
 def run(model: str, name: str, sizes: Sizes, dtype: torch.dtype, device: str, eager_check: bool) -> dict:
     engine = build_engine(model, FORMATS[name], sizes, dtype, device, enforce_eager=False)
-    row = {"model": model, "format": name, "weights GB": weight_bytes(engine.runner.model) / 1e9}
+    kernel = type(engine.runner.model.layers[0].self_attn.qkv_proj).__name__  # e.g. a fallback to DenseLinear
+    row = {"model": model, "format": name, "kernel": kernel, "weights GB": weight_bytes(engine.runner.model) / 1e9}
     tokens_per_s, tokens = batch1_decode(engine, sizes)
     bytes_per_token = weight_bytes(engine.runner.model) + kv_bytes_per_token(engine, sizes)
     peak = peak_bandwidth(device)

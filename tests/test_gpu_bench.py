@@ -17,8 +17,10 @@ def test_gpu_bench_smoke_runs_every_format_on_cpu():
     )
     assert result.returncode == 0, result.stderr[-3000:]
     header, *rows = result.stdout.strip().split("\n\n")[-1].splitlines()
-    assert header.split() == ["model", "format", "weights", "GB", "batch-1", "tok/s", "MBU", "tok/s", "@", "3"], result.stderr[-3000:]
+    assert header.split() == ["model", "format", "kernel", "weights", "GB", "batch-1", "tok/s", "MBU", "tok/s", "@", "3"], result.stderr[-3000:]
     assert [row[len("SmolLM2-135M  "):].split("  ")[0].strip() for row in rows] == FORMATS
+    kernels = [row.split()[-5] for row in rows]  # on CPU in float16, int4 runs dequantized
+    assert kernels == ["DenseLinear", "DenseLinear", "QuantizedInputLinear", "QuantizedInputLinear", "QuantizedInputLinear"]
     for row in rows:
         weights_gb, batch1, mbu, throughput = row.split()[-4:]
         assert float(weights_gb) > 0 and float(batch1) > 0 and float(throughput) > 0 and mbu == "n/a"

@@ -19,6 +19,17 @@ try:
 except ImportError:
     pytest = None
 
+
+class Skipped(Exception):
+    pass
+
+
+def skip(reason: str) -> None:
+    if pytest is not None:
+        pytest.skip(reason)
+    raise Skipped(reason)
+
+
 if pytest is not None:
     pytest.importorskip("triton")
     parametrize = pytest.mark.parametrize
@@ -44,6 +55,7 @@ from llmc.runtime.layers.triton_attention import decode_attention_triton  # noqa
 from llmc.runtime.layers.triton_w4a16 import w4a16_matmul  # noqa: E402
 
 DEVICE = "cuda" if CUDA else "cpu"
+FP8_GEMM = not CUDA or torch.cuda.get_device_capability() >= (8, 9)  # torch._scaled_mm on CUDA needs sm_89+
 TOLERANCE = {torch.float32: 1e-4, torch.float16: 3e-3}  # fp32: TF32 dots on GPU; fp16: one rounding of the output
 FP8 = QuantArgs(num_bits=8, type="float", strategy="channel")
 
@@ -163,6 +175,8 @@ def act_quantized(weights: QuantArgs, activations: QuantArgs, seed: int, out_fea
 
 @parametrize("formats", list(ACTIVATIONS))
 def test_quantized_input_linear_computes_what_fake_quantization_emulates(formats):
+    if ACTIVATIONS[formats][0].type == "float" and not FP8_GEMM:
+        skip("FP8 GEMMs need sm_89+")
     weight = act_quantized(*ACTIVATIONS[formats], seed=8)
     linear = build_linear([weight], torch.float32, DEVICE)
     assert isinstance(linear, QuantizedInputLinear)
@@ -176,6 +190,8 @@ def test_quantized_input_linear_computes_what_fake_quantization_emulates(formats
 
 
 def test_merged_per_tensor_parts_keep_their_own_scales():
+    if not FP8_GEMM:
+        skip("FP8 GEMMs need sm_89+")
     weights, activations = ACTIVATIONS["fp8 tensor, static per tensor"]
     parts = [act_quantized(weights, activations, seed, out_features) for seed, out_features in ((10, 32), (12, 16), (14, 16))]
     merged = build_linear(parts, torch.float32, DEVICE)
@@ -216,7 +232,7 @@ def test_kernels_compile_for_hopper():
     import triton
 
     if not (Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas").exists():
-        pytest.skip("this Triton has no bundled ptxas")
+        skip("this Triton has no bundled ptxas")
     env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = str(Path(__file__).resolve().parents[1])
     result = subprocess.run([sys.executable, "-c", HOPPER_COMPILE], env=env, capture_output=True, text=True, timeout=300)
@@ -229,6 +245,8 @@ if __name__ == "__main__":
             try:
                 test(**case)
                 print(f"PASS {name} {case or ''}")
+            except Skipped as reason:
+                print(f"SKIP {name} {case or ''}: {reason}")
             except Exception:
                 failures += 1
                 print(f"FAIL {name} {case or ''}\n{traceback.format_exc()}")
