@@ -133,13 +133,13 @@ def int4_weight(symmetric: bool, out_features: int = 96, in_features: int = 192,
 
 
 @parametrize("dtype", [torch.float32, torch.float16])
-@parametrize("symmetric, rows, split_k", [(True, 1, 1), (True, 5, 2), (False, 19, 3)])
-def test_triton_w4a16_matches_dequantized_weights(dtype, symmetric, rows, split_k):
-    quantized = int4_weight(symmetric)
+@parametrize("symmetric, group_size, rows, split_k", [(True, 32, 1, 1), (True, 64, 5, 2), (False, 64, 19, 3)])
+def test_triton_w4a16_matches_dequantized_weights(dtype, symmetric, group_size, rows, split_k):
+    quantized = int4_weight(symmetric, group_size=group_size)
     x = torch.randn(rows, 192, generator=generator(5))
     linear = Int4TritonLinear(LinearWeight(quantized), dtype, DEVICE)
     expected = x.to(dtype).float() @ quantized.dequantize().to(dtype).float().t()
-    out = w4a16_matmul(x.to(DEVICE, dtype), linear.packed, linear.scales, linear.zeros, 32, split_k=split_k)
+    out = w4a16_matmul(x.to(DEVICE, dtype), linear.packed, linear.scales, linear.zeros, group_size, split_k=split_k)
     assert out.dtype == dtype
     tolerance = 3e-2 if CUDA and dtype == torch.float32 else TOLERANCE[dtype] * 10  # sums of 192 products; TF32 dots
     torch.testing.assert_close(out.float().cpu(), expected, atol=tolerance, rtol=tolerance)

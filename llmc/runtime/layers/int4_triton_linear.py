@@ -34,7 +34,8 @@ class Int4TritonLinear(nn.Module):
             and quantized.args.type == "int"
             and quantized.args.num_bits == 4
             and quantized.args.strategy == "group"
-            and quantized.codes.shape[1] % 8 == 0
+            and quantized.args.group_size % 16 == 0  # the kernel's K tiles lie within one group
+            and quantized.codes.shape[1] % quantized.args.group_size == 0
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -3,11 +3,14 @@ consecutive input columns of one output per word, so that a tile's loads run alo
 registers with their group scale and zero point, multiplied in the activations' dtype with float32 accumulation.
 Small batches split the input dim across programs (atomic float32 adds) so that decode keeps every SM busy.
 Imported only where it runs: on GPU, or on CPU under TRITON_INTERPRET=1 in the tests."""
+import math
+
 import torch
 import triton
 import triton.language as tl
 
-PACK = 8  # int4 codes per int32 word
+PACK = tl.constexpr(8)  # int4 codes per int32 word
+MIN_BLOCK_K = 16  # tl.dot's smallest inner dimension
 
 
 @triton.jit
@@ -15,21 +18,23 @@ def _w4a16_kernel(
     x, packed, scales, zeros, out, M, N, K, group_size, stride_x, stride_out,
     HAS_ZEROS: tl.constexpr, SPLIT_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
+    """BLOCK_K divides group_size and K: one K tile reads each packed word once and one row of scales."""
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     row_mask, col_mask = rows < M, cols < N
+    shifts = tl.arange(0, PACK) * 4
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for start in range(tl.program_id(2) * BLOCK_K, K, BLOCK_K * SPLIT_K):
         ks = start + tl.arange(0, BLOCK_K)
-        k_mask = ks < K
-        a = tl.load(x + rows[:, None] * stride_x + ks[None, :], mask=row_mask[:, None] & k_mask[None, :], other=0.0)
-        w_mask = k_mask[:, None] & col_mask[None, :]
-        words = tl.load(packed + (ks // 8)[:, None] * N + cols[None, :], mask=w_mask, other=0)
-        codes = ((words >> ((ks % 8) * 4)[:, None]) & 0xF).to(tl.float32) - 8.0
-        group_offsets = (ks // group_size)[:, None] * N + cols[None, :]
+        a = tl.load(x + rows[:, None] * stride_x + ks[None, :], mask=row_mask[:, None], other=0.0)
+        word_rows = start // PACK + tl.arange(0, BLOCK_K // PACK)
+        words = tl.load(packed + word_rows[:, None] * N + cols[None, :], mask=col_mask[None, :], other=0)
+        nibbles = (words[:, None, :] >> shifts[None, :, None]) & 0xF  # [BLOCK_K / 8, 8, BLOCK_N]: k = 8 * word + nibble
+        codes = tl.reshape(nibbles, (BLOCK_K, BLOCK_N)).to(tl.float32) - 8.0
+        group_offsets = (start // group_size) * N + cols
         if HAS_ZEROS:
-            codes -= tl.load(zeros + group_offsets, mask=w_mask, other=0.0).to(tl.float32)
-        w = codes * tl.load(scales + group_offsets, mask=w_mask, other=0.0).to(tl.float32)
+            codes -= tl.load(zeros + group_offsets, mask=col_mask, other=0.0).to(tl.float32)[None, :]
+        w = codes * tl.load(scales + group_offsets, mask=col_mask, other=0.0).to(tl.float32)[None, :]
         acc += tl.dot(a, w.to(a.dtype))
     offsets = rows[:, None] * stride_out + cols[None, :]
     mask = row_mask[:, None] & col_mask[None, :]
@@ -42,8 +47,8 @@ def _w4a16_kernel(
 def repack_int4(codes: torch.Tensor) -> torch.Tensor:
     """Signed int4 codes [out, in] (in a multiple of 8) -> int32 words [in / 8, out]; nibble j of word [r, n] holds
     codes[n, 8r + j] + 8."""
-    unsigned = (codes.to(torch.int32) + 8).t().reshape(-1, PACK, codes.shape[0])  # [in / 8, 8, out]
-    shifts = (torch.arange(PACK, dtype=torch.int32, device=codes.device) * 4).reshape(1, PACK, 1)
+    unsigned = (codes.to(torch.int32) + 8).t().reshape(-1, PACK.value, codes.shape[0])  # [in / 8, 8, out]
+    shifts = (torch.arange(PACK.value, dtype=torch.int32, device=codes.device) * 4).reshape(1, PACK.value, 1)
     return (unsigned << shifts).sum(dim=1, dtype=torch.int32).contiguous()  # nibbles are disjoint: sum == or
 
 
@@ -62,7 +67,9 @@ def w4a16_matmul(
     x = x.contiguous()
     (M, K), N = x.shape, packed.shape[1]
     block_m = 16 if M <= 16 else 32 if M <= 32 else 64
-    block_n, block_k = 64, 64
+    block_n, block_k = 64, math.gcd(64, group_size)
+    if block_k < MIN_BLOCK_K or K % group_size:
+        raise ValueError(f"the W4A16 kernel needs groups of a multiple of {MIN_BLOCK_K} that divide the {K} inputs")
     grid_mn = (triton.cdiv(M, block_m), triton.cdiv(N, block_n))
     split_k = split_k or _split_k(grid_mn[0] * grid_mn[1], triton.cdiv(K, block_k), x.device)
     out = torch.zeros(M, N, dtype=torch.float32, device=x.device) if split_k > 1 else torch.empty(M, N, dtype=x.dtype, device=x.device)
