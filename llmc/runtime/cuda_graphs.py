@@ -2,6 +2,9 @@
 (1, 2, 4, ... up to max_num_seqs) over static input buffers, and a step with n sequences replays the smallest graph
 that holds them, its padding rows writing K/V into a scratch slot no sequence owns. Kernel launches then cost
 one graph launch per step, which is what batch-1 decode is bound by otherwise."""
+from collections.abc import Callable
+from functools import partial
+
 import torch
 from torch import nn
 
@@ -18,6 +21,10 @@ def graph_batch_sizes(max_num_seqs: int) -> list[int]:
 
 
 class DecodeGraphs:
+    @staticmethod
+    def supported(device: str) -> bool:
+        return device.startswith("cuda")
+
     @torch.inference_mode()
     def __init__(self, model: nn.Module, max_num_seqs: int, max_blocks_per_seq: int, scratch_slot: int, device: str):
         self.sizes = graph_batch_sizes(max_num_seqs)
@@ -28,19 +35,23 @@ class DecodeGraphs:
         self.slot_mapping = torch.full((largest,), scratch_slot, dtype=torch.long, device=device)
         self.block_tables = torch.zeros(largest, max_blocks_per_seq, dtype=torch.long, device=device)
         self.context_lens = torch.ones(largest, dtype=torch.long, device=device)
-        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.replays: dict[int, Callable[[], None]] = {}
         self.outputs: dict[int, torch.Tensor] = {}
         pool = None
         for size in reversed(self.sizes):  # the largest first, so the smaller ones reuse its memory pool
-            metadata = self._metadata(size)
-            model(self.input_ids[:size], self.positions[:size], metadata)  # warm-up: Triton compiles, allocator settles
-            torch.cuda.synchronize()
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool):
-                self.outputs[size] = model(self.input_ids[:size], self.positions[:size], metadata)
-            pool = graph.pool()
-            self.graphs[size] = graph
+            forward = partial(model, self.input_ids[:size], self.positions[:size], self._metadata(size))
+            self.replays[size], self.outputs[size], pool = self._capture(forward, pool)
+
+    @staticmethod
+    def _capture(forward: Callable[[], torch.Tensor], pool) -> tuple[Callable[[], None], torch.Tensor, object]:
+        """(replay, its output buffer, the memory pool to share) of one captured forward."""
+        forward()  # warm-up: Triton compiles, the allocator settles
         torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool):
+            output = forward()
+        torch.cuda.synchronize()
+        return graph.replay, output, graph.pool()
 
     def _metadata(self, size: int) -> AttentionMetadata:
         return AttentionMetadata(
@@ -63,5 +74,5 @@ class DecodeGraphs:
         self.context_lens[:num_seqs] = metadata.context_lens
         self.block_tables.zero_()
         self.block_tables[:num_seqs, : metadata.block_tables.shape[1]] = metadata.block_tables
-        self.graphs[size].replay()
+        self.replays[size]()
         return self.outputs[size][:num_seqs]

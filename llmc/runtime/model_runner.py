@@ -39,7 +39,7 @@ class ModelRunner:
         if getattr(hf_config, "sliding_window", None) and getattr(hf_config, "use_sliding_window", True):
             self.max_model_len = min(self.max_model_len, hf_config.sliding_window)
         self.model = LlamaForCausalLM(hf_config, weights, self.max_model_len)
-        use_graphs = config.device.startswith("cuda") and not config.enforce_eager and config.speculative is None
+        use_graphs = DecodeGraphs.supported(config.device) and not config.enforce_eager and config.speculative is None
         # with graphs, one block past those the block manager hands out takes the K/V of padding rows
         self.kv_cache = torch.zeros(
             2, num_layers, self.num_blocks + use_graphs, config.block_size, num_kv_heads, head_dim, dtype=kv_dtype,
