@@ -14,8 +14,8 @@ echo "== environment"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader || true
 $PYTHON -c "import torch, triton; print('torch', torch.__version__, '| cuda', torch.version.cuda, '| triton', triton.__version__, '|', torch.cuda.get_device_name(), 'sm_%d%d' % torch.cuda.get_device_capability())" || status=1
 
-echo "== kernel tests on the GPU (tests/test_gpu_kernels.py)"
-timeout 150 $PYTHON tests/test_gpu_kernels.py | grep -v "^PASS" || status=1
+echo "== kernel tests on the GPU (tests/kernel_checks.py)"
+timeout 150 $PYTHON tests/kernel_checks.py | grep -v "^PASS" || status=1
 
 echo "== decode benchmark (benchmarks/gpu_bench.py)"
 timeout 320 $PYTHON benchmarks/gpu_bench.py --budget-s 300 "$@" || status=1
