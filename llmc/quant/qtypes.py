@@ -10,8 +10,11 @@ from typing import Literal, get_args
 
 import torch
 
+Bits = Literal[4, 8]
+Kind = Literal["int", "float"]
 Strategy = Literal["tensor", "channel", "group", "block", "token"]
 ActOrder = Literal["static", "group"]
+CHOICES = {"num_bits": get_args(Bits), "type": get_args(Kind), "strategy": get_args(Strategy), "actorder": (None, *get_args(ActOrder))}
 FP8_MAX = torch.finfo(torch.float8_e4m3fn).max  # 448
 
 
@@ -22,8 +25,8 @@ class QuantArgs:
 
     __pydantic_config__ = {"extra": "forbid"}
 
-    num_bits: Literal[4, 8] = 4
-    type: Literal["int", "float"] = "int"  # float: float8 E4M3
+    num_bits: Bits = 4
+    type: Kind = "int"  # float: float8 E4M3
     symmetric: bool = True
     strategy: Strategy = "group"
     group_size: int | None = 128
@@ -33,9 +36,7 @@ class QuantArgs:
     actorder: ActOrder | None = None
 
     def __post_init__(self) -> None:
-        for name in ("num_bits", "type", "strategy", "actorder"):
-            allowed = get_args(self.__annotations__[name])
-            allowed = get_args(allowed[0]) + (None,) if name == "actorder" else allowed
+        for name, allowed in CHOICES.items():  # pydantic checks these too; direct construction needs it here
             if getattr(self, name) not in allowed:
                 raise ValueError(f"{name} must be one of {allowed}, not {getattr(self, name)!r}")
         if self.strategy == "group" and (self.group_size is None or self.group_size <= 0):
