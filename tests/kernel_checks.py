@@ -31,7 +31,7 @@ def parametrize(names: str, values: list):
     return mark
 
 
-from llmc.quant.qtypes import QuantArgs, fake_quantize_activation, quantize_weight  # noqa: E402
+from llmc.quant.qtypes import QuantArgs, fake_quantize_activation, quantize_activation, quantize_weight  # noqa: E402
 from llmc.runtime.layers.attention import (  # noqa: E402
     decode_attention_reference, prefill_attention_reference, read_kv, store_kv,
 )
@@ -39,6 +39,7 @@ from llmc.runtime.layers.int4_triton_linear import Int4TritonLinear  # noqa: E40
 from llmc.runtime.layers.linear import DenseLinear, build_linear  # noqa: E402
 from llmc.runtime.layers.linear_weight import LinearWeight  # noqa: E402
 from llmc.runtime.layers.quantized_input_linear import QuantizedInputLinear  # noqa: E402
+from llmc.runtime.layers.triton_act_quant import quantize_activation_triton  # noqa: E402
 from llmc.runtime.layers.triton_attention import decode_attention_triton  # noqa: E402
 from llmc.runtime.layers.triton_w4a16 import w4a16_matmul  # noqa: E402
 
@@ -192,11 +193,26 @@ def check_merged_per_tensor_parts_keep_their_own_scales():
 
 
 
+@parametrize("dtype", [torch.float32, torch.float16])
+@parametrize("formats", list(ACTIVATIONS))
+def check_triton_activation_quantization_equals_quantize_activation(dtype, formats):
+    args = ACTIVATIONS[formats][1]
+    x = torch.randn(2, 3, 1500, generator=generator(17)).to(dtype)  # 1500 columns: two blocks, the second masked
+    x[1, 0] = 0  # an all-zero token takes the float32 epsilon as its scale
+    static = None if args.dynamic else torch.tensor([0.004])
+    expected_codes, expected_scale = quantize_activation(x, args, static)
+    codes, scale = quantize_activation_triton(x.to(DEVICE), args, None if static is None else static.to(DEVICE))
+    assert codes.dtype == expected_codes.dtype and scale.shape == expected_scale.shape
+    assert torch.equal(scale.cpu(), expected_scale)
+    assert torch.equal(codes.cpu().view(torch.uint8), expected_codes.view(torch.uint8))
+
+
 HOPPER_COMPILE = """
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from llmc.runtime.layers.triton_attention import _paged_decode_kernel
+from llmc.runtime.layers.triton_act_quant import _quantize_rows_kernel
 from llmc.runtime.layers.triton_w4a16 import _w4a16_kernel
 
 def compile(kernel, types, constexprs):
@@ -211,6 +227,11 @@ for cache in ("*bf16", "*fp8e4nv"):
              "out": "*bf16", "scale": "fp32", "k_scale": "*fp32", "v_scale": "*fp32"}
     constexprs = {"QUERIES_PER_KV": 4, "GROUP": 4, "BLOCK_SIZE": 16, "HEAD_DIM": 128, "FP8_KV": cache == "*fp8e4nv"}
     compile(_paged_decode_kernel, types, constexprs)
+for code, is_float, half_range in (("*i8", False, 127.5), ("*fp32", True, 448.0)):
+    types = {"x": "*bf16", "codes": code, "scales": "*fp32", "static_scale": "*fp32", "K": "i32", "stride_x": "i32"}
+    constexprs = {"HALF_RANGE": half_range, "QMIN": -half_range - 0.5 * (not is_float), "QMAX": half_range - 0.5 * (not is_float),
+                  "IS_FLOAT": is_float, "STATIC": not is_float, "EPS": 1.1920928955078125e-07, "BLOCK": 1024}
+    compile(_quantize_rows_kernel, types, constexprs)
 print("ok")
 """
 

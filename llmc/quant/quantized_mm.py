@@ -3,6 +3,8 @@ quantization: int8 x int8 -> int32 GEMM through torch._int_mm, float8 E4M3 GEMM 
 On CPU both accumulate exactly and the scales multiply the float32 result, as fake quantization does; on CUDA the
 FP8 scales go into _scaled_mm's epilogue. FP8 blocks accumulate one 128-column slice at a time, each scaled by its
 activation group and weight block."""
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 
@@ -50,11 +52,13 @@ def _block_fp8_mm(codes: torch.Tensor, act_scale: torch.Tensor, weight: Quantize
 
 
 def quantized_linear(
-    x: torch.Tensor, weight: QuantizedWeight, input_scale: torch.Tensor | None = None, bias: torch.Tensor | None = None
+    x: torch.Tensor, weight: QuantizedWeight, input_scale: torch.Tensor | None = None, bias: torch.Tensor | None = None,
+    quantize_input: Callable = quantize_activation,
 ) -> torch.Tensor:
-    """y = x Wᵀ (+ bias) with x quantized as weight.input_activations says (input_scale when static)."""
+    """y = x Wᵀ (+ bias) with x quantized as weight.input_activations says (input_scale when static), by
+    quantize_input: quantize_activation's contract, e.g. a fused GPU kernel with the same arithmetic."""
     args = weight.input_activations
-    codes, act_scale = quantize_activation(x, args, input_scale)
+    codes, act_scale = quantize_input(x, args, input_scale)
     if weight.args.strategy == "block":
         out = _block_fp8_mm(codes, act_scale, weight)
     elif args.type == "float" and x.is_cuda:

@@ -4,7 +4,7 @@ evaluation's fake quantization emulates, not dequantized weights."""
 import torch
 from torch import nn
 
-from llmc.quant.qtypes import QuantizedWeight
+from llmc.quant.qtypes import QuantizedWeight, quantize_activation
 from llmc.quant.quantized_mm import quantized_linear
 from llmc.runtime.layers.linear_weight import LinearWeight
 
@@ -23,6 +23,12 @@ class QuantizedInputLinear(nn.Module):
         self.register_buffer("zero_point", quantized.zero_point.to(device))
         self.register_buffer("input_scale", None if weight.input_scale is None else weight.input_scale.to(device, torch.float32))
         self.bias = None if weight.bias is None else nn.Parameter(weight.bias.to(device, dtype), requires_grad=False)
+        self.quantize_input = quantize_activation
+        acts = self.input_activations
+        if device.startswith("cuda") and (acts.strategy == "token" or (acts.strategy == "tensor" and not acts.dynamic)):
+            from llmc.runtime.layers.triton_act_quant import quantize_activation_triton
+
+            self.quantize_input = quantize_activation_triton  # the same arithmetic in one kernel
 
     @staticmethod
     def supports(weight: LinearWeight, dtype: torch.dtype, device: str) -> bool:
@@ -42,4 +48,4 @@ class QuantizedInputLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weight = QuantizedWeight(self.codes, self.weight_scale, self.zero_point, self.args, None, self.input_activations)
-        return quantized_linear(x, weight, self.input_scale, self.bias)
+        return quantized_linear(x, weight, self.input_scale, self.bias, self.quantize_input)
