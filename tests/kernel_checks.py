@@ -11,6 +11,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from transformers import LlamaConfig
 
 CUDA = torch.cuda.is_available()
 if not CUDA:
@@ -39,7 +40,10 @@ from llmc.runtime.layers.int4_triton_linear import Int4TritonLinear  # noqa: E40
 from llmc.runtime.layers.linear import DenseLinear, build_linear  # noqa: E402
 from llmc.runtime.layers.linear_weight import LinearWeight  # noqa: E402
 from llmc.runtime.layers.quantized_input_linear import QuantizedInputLinear  # noqa: E402
+from llmc.runtime.layers.norm import RMSNorm  # noqa: E402
+from llmc.runtime.layers.rotary import RotaryEmbedding  # noqa: E402
 from llmc.runtime.layers.triton_act_quant import quantize_activation_triton  # noqa: E402
+from llmc.runtime.layers.triton_elementwise import rms_norm_triton, rotary_triton  # noqa: E402
 from llmc.runtime.layers.triton_attention import decode_attention_triton  # noqa: E402
 from llmc.runtime.layers.triton_w4a16 import w4a16_matmul  # noqa: E402
 
@@ -207,12 +211,38 @@ def check_triton_activation_quantization_equals_quantize_activation(dtype, forma
     assert torch.equal(codes.cpu().view(torch.uint8), expected_codes.view(torch.uint8))
 
 
+@parametrize("dtype", [torch.float32, torch.float16])
+def check_triton_rms_norm_matches_the_module(dtype):
+    x = torch.randn(2, 3, 576, generator=generator(18)).to(dtype)  # 576: a masked tail in a block of 1024
+    weight = (1 + 0.1 * torch.randn(576, generator=generator(19))).to(dtype)
+    expected = RMSNorm(weight, 1e-5)(x)
+    out = rms_norm_triton(x.to(DEVICE), weight.to(DEVICE), 1e-5)
+    assert out.dtype == dtype and out.shape == x.shape
+    torch.testing.assert_close(out.cpu(), expected, atol=TOLERANCE[dtype], rtol=TOLERANCE[dtype])
+
+
+@parametrize("dtype", [torch.float32, torch.float16])
+def check_triton_rotary_matches_the_module(dtype):
+    config = LlamaConfig(hidden_size=192, num_attention_heads=6, num_key_value_heads=2, max_position_embeddings=256)
+    rotary = RotaryEmbedding(config, 32, 256, dtype)
+    qkv = torch.randn(5, 6 * 32 + 2 * 2 * 32, generator=generator(20)).to(dtype)
+    q, k, _ = qkv.split([6 * 32, 2 * 32, 2 * 32], dim=-1)  # strided views, as the attention hands them over
+    q, k = q.view(5, 6, 32), k.view(5, 2, 32)
+    positions = torch.tensor([0, 3, 17, 100, 255])
+    expected_q, expected_k = rotary(positions, q, k)
+    cos, sin = rotary.cos.to(DEVICE), rotary.sin.to(DEVICE)
+    for states, expected in ((q, expected_q), (k, expected_k)):
+        out = rotary_triton(states.to(DEVICE), positions.to(DEVICE), cos, sin)
+        torch.testing.assert_close(out.cpu(), expected, atol=2 * TOLERANCE[dtype], rtol=2 * TOLERANCE[dtype])
+
+
 HOPPER_COMPILE = """
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from llmc.runtime.layers.triton_attention import _paged_decode_kernel
 from llmc.runtime.layers.triton_act_quant import _quantize_rows_kernel
+from llmc.runtime.layers.triton_elementwise import _rms_norm_kernel, _rotary_kernel
 from llmc.runtime.layers.triton_w4a16 import _w4a16_kernel
 
 def compile(kernel, types, constexprs):
@@ -232,6 +262,8 @@ for code, is_float, half_range in (("*i8", False, 127.5), ("*fp32", True, 448.0)
     constexprs = {"HALF_RANGE": half_range, "QMIN": -half_range - 0.5 * (not is_float), "QMAX": half_range - 0.5 * (not is_float),
                   "IS_FLOAT": is_float, "STATIC": not is_float, "EPS": 1.1920928955078125e-07, "BLOCK": 1024}
     compile(_quantize_rows_kernel, types, constexprs)
+compile(_rms_norm_kernel, {"x": "*bf16", "weight": "*bf16", "out": "*bf16", "hidden": "i32", "eps": "fp32"}, {"BLOCK": 4096})
+compile(_rotary_kernel, {"states": "*bf16", "out": "*bf16", "cos": "*bf16", "sin": "*bf16", "positions": "*i64"}, {"HALF": 64})
 print("ok")
 """
 

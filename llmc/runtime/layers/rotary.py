@@ -30,5 +30,10 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("sin", (angles.sin() * scaling).to(dtype), persistent=False)
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        half = q.shape[-1] // 2
+        if q.is_cuda and half & (half - 1) == 0:  # one fused kernel each instead of a dozen; Triton tiles by powers of 2
+            from llmc.runtime.layers.triton_elementwise import rotary_triton
+
+            return rotary_triton(q, positions, self.cos, self.sin), rotary_triton(k, positions, self.cos, self.sin)
         cos, sin = self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)  # [tokens, 1, head_dim]
         return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
