@@ -6,7 +6,7 @@ import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-FORMATS = ["fp16", "W4A16", "W8A8", "FP8", "FP8 per-tensor"]
+FORMATS = ["fp16", "W4A16", "W8A8", "FP8", "FP8 per-tensor", "W4A16 + FP8 KV"]
 
 
 def test_gpu_bench_smoke_runs_every_format_on_cpu():
@@ -20,7 +20,7 @@ def test_gpu_bench_smoke_runs_every_format_on_cpu():
     assert header.split() == ["model", "format", "kernel", "weights", "GB", "batch-1", "tok/s", "MBU", "tok/s", "@", "3"], result.stderr[-3000:]
     assert [row[len("SmolLM2-135M  "):].split("  ")[0].strip() for row in rows] == FORMATS
     kernels = [row.split()[-5] for row in rows]  # on CPU in float16, int4 runs dequantized
-    assert kernels == ["DenseLinear", "DenseLinear", "QuantizedInputLinear", "QuantizedInputLinear", "QuantizedInputLinear"]
+    assert kernels == ["DenseLinear", "DenseLinear", *["QuantizedInputLinear"] * 3, "DenseLinear"]
     for row in rows:
         weights_gb, batch1, mbu, throughput = row.split()[-4:]
         assert float(weights_gb) > 0 and float(batch1) > 0 and float(throughput) > 0 and mbu == "n/a"
