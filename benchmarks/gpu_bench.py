@@ -39,6 +39,7 @@ MODELS = {
 }
 PEAK_BANDWIDTH = [("H200", 4.8e12), ("H100 PCIe", 2.0e12), ("H100", 3.35e12), ("A100", 2.0e12)]  # bytes/s, by device name
 WEIGHT_STD = 0.02
+MAX_RUN_S = 100  # one (model, format) on the GPU: building, capturing graphs, both measurements
 
 
 @dataclass(frozen=True)
@@ -243,7 +244,7 @@ def run_isolated(model: str, name: str, args: argparse.Namespace, timeout: float
     try:
         result = subprocess.run(command + ["--smoke"] * args.smoke, capture_output=True, text=True, timeout=timeout)
     except subprocess.TimeoutExpired:
-        return {"model": model, "format": name, "error": f"over the time left ({timeout:.0f} s)"}
+        return {"model": model, "format": name, "error": f"not done within {timeout:.0f} s"}
     lines = result.stdout.strip().splitlines()
     if result.returncode != 0 or not lines:
         print(result.stderr[-3000:], file=sys.stderr)
@@ -265,7 +266,7 @@ def main() -> None:
     parser.add_argument("--smoke", action="store_true", help="SmolLM2 shapes with 2 layers and a few tokens")
     parser.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
     parser.add_argument("--formats", nargs="+", default=list(FORMATS), choices=list(FORMATS))
-    parser.add_argument("--budget-s", type=float, default=260.0, help="CUDA: formats not started within it are skipped")
+    parser.add_argument("--budget-s", type=float, default=250.0, help="CUDA: formats not started within it are skipped")
     parser.add_argument("--json", action="store_true", help="run in this process and print the one row as JSON")
     args = parser.parse_args()
     if args.smoke:
@@ -287,7 +288,7 @@ def main() -> None:
             if isolate and left < 20:
                 rows.append({"model": model, "format": name, "error": "skipped: time budget spent"})
             elif isolate:
-                rows.append(run_isolated(model, name, args, left))
+                rows.append(run_isolated(model, name, args, min(left, MAX_RUN_S)))
             else:
                 rows.append(run_guarded(model, name, sizes, dtype, device))
             print_table(rows[-1:], flush=True)
