@@ -68,6 +68,7 @@ from llmc.runtime.config import EngineConfig
 from llmc.runtime.engine import LLMEngine
 from llmc.runtime.sampling_params import SamplingParams
 import llmc.runtime.cuda_graphs, llmc.runtime.layers.triton_attention, llmc.runtime.layers.triton_w4a16
+import llmc.runtime.layers.triton_act_quant, llmc.runtime.layers.triton_elementwise
 llm = LLMEngine(sys.argv[1], EngineConfig(dtype=torch.float32, num_kv_blocks=16))
 out = llm.generate(["The quick brown fox"], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
 assert len(out[0]["token_ids"]) == 4
