@@ -5,7 +5,7 @@ loading included; CPU time is the fairer figure on a shared machine) and the qua
 Calibration: Spec-Bench's non-MT-bench prompts, the same token windows for every method. Where `llmcompressor`
 is installed its GPTQ and AWQ run on the same model, samples and windows. The depth figure with GPTQ (8 vs 32 layers): `python benchmarks/layerwise_memory.py --stage gptq`.
 
-    python benchmarks/quantize.py [--suite w4a16|w8a8] [--samples 128] [--seq-len 512] [--windows 40] [--only GPTQ ...]
+    python benchmarks/quantize.py [--suite w4a16|w8a8] [--samples 128] [--seq-len 512] [--windows 40] [--only GPTQ ...] [--fp32-perplexity P]
 """
 import argparse
 import json
@@ -163,7 +163,8 @@ def quality_table(args) -> list[dict]:
     from llmc.recipe import CalibrationConfig
 
     text = (DATA / "wikitext-2-raw" / "wiki.test.raw").read_text()
-    rows = [{"method": "fp32", "perplexity": perplexity_of(args.model, text, args.windows), "seconds": None, "cpu": None, "rss": None}]
+    base = args.fp32_perplexity or perplexity_of(args.model, text, args.windows)
+    rows = [{"method": "fp32", "perplexity": base, "seconds": None, "cpu": None, "rss": None}]
     print(json.dumps(rows[0]), flush=True)
     with tempfile.TemporaryDirectory() as tmp:
         folder = Path(tmp)
@@ -202,6 +203,7 @@ def main() -> None:
     parser.add_argument("--samples", type=int, default=128)
     parser.add_argument("--seq-len", type=int, default=512)
     parser.add_argument("--windows", type=int, default=40)
+    parser.add_argument("--fp32-perplexity", type=float, help="the base model's, measured earlier with these windows")
     every = [name for ours, theirs in SUITES.values() for name in [*ours, *theirs]]
     parser.add_argument("--only", nargs="*", choices=every, help="these methods (of the suite), in this order")
     args = parser.parse_args()

@@ -15,8 +15,12 @@ from llmc.models.loading import load_model
 from llmc.pipeline import run_quantize
 from llmc.quant.qtypes import QuantArgs, QuantizedWeight
 from llmc.recipe import load_recipe
+from llmc.runtime.config import EngineConfig
+from llmc.runtime.engine import LLMEngine
+from llmc.runtime.layers.linear import Int4CpuLinear
+from llmc.runtime.sampling_params import SamplingParams
 
-from conftest import write_recipe
+from conftest import CORPUS, write_recipe
 
 G4 = QuantArgs(num_bits=4, symmetric=False, strategy="group", group_size=4)
 
@@ -126,6 +130,26 @@ def test_awq_export_loads_and_stays_close(tmp_path, tiny_llama, calib_file):
         ours = load_model(str(artifact)).model(ids).logits
         original = AutoModelForCausalLM.from_pretrained(tiny_llama)(ids).logits
     assert (ours - original).pow(2).mean() < 0.05 * original.pow(2).mean()
+
+
+@pytest.mark.parametrize("export, stages", [
+    ("gptq", GPTQ_STAGE.format(actorder="group")),
+    ("awq", "  - type: awq\n  - type: rtn\n    scheme: W4A16_ASYM\n    weights: {group_size: 32}\n"),
+])
+def test_legacy_exports_serve_as_transformers_reads_them(tmp_path, tiny_llama, calib_file, export, stages):
+    recipe = load_recipe(write_recipe(tmp_path / "r.yaml", tiny_llama, tmp_path / "art", stages, calib_file), [f"export.format={export}"])
+    artifact = run_quantize(recipe)
+    loaded = load_model(str(artifact))
+    loaded.model.generation_config.eos_token_id = None  # as ignore_eos
+    ids = loaded.tokenizer.encode(CORPUS[:40], add_special_tokens=False)
+    with torch.no_grad():
+        expected = loaded.model.generate(torch.tensor([ids]), max_new_tokens=16, do_sample=False)[0, len(ids) :].tolist()
+    llm = LLMEngine(str(artifact), EngineConfig(dtype=torch.float32))
+    served = llm.generate([CORPUS[:40]], SamplingParams(temperature=0, max_tokens=16, ignore_eos=True))[0]["token_ids"]
+    assert served == expected
+    if export == "gptq":  # act-order columns: the int4 CPU kernel has no g_idx, so it must not be chosen
+        bf16 = LLMEngine(str(artifact), EngineConfig(dtype=torch.bfloat16))
+        assert not any(isinstance(module, Int4CpuLinear) for module in bf16.runner.model.modules())
 
 
 @pytest.mark.parametrize("override, message", [

@@ -5,22 +5,24 @@ import torch
 from torch import nn
 
 from llmc.artifact.ct_config import kv_cache_args_from_config, schemes_from_config
-from llmc.artifact.reader import read_quantized_weight, scheme_of
+from llmc.artifact.reader import layout_of, scheme_of
 from llmc.models.checkpoint import CheckpointReader
 from llmc.runtime.layers.linear import build_linear
 from llmc.runtime.layers.linear_weight import LinearWeight
 
 
 class WeightLoader:
-    """Reads a model's tensors from an artifact (packed int weights stay packed) or a plain HF folder. An artifact
-    with an FP8 kv_cache_scheme gets an FP8 KV cache with its k_scale / v_scale; other KV formats are served in the
-    compute dtype."""
+    """Reads a model's tensors from an artifact (compressed-tensors or the legacy GPTQ and AWQ layouts; packed int
+    weights stay packed) or a plain HF folder. An artifact with an FP8 kv_cache_scheme gets an FP8 KV cache with its
+    k_scale / v_scale; other KV formats are served in the compute dtype."""
 
     def __init__(self, folder: Path, dtype: torch.dtype, device: str):
         self.reader = CheckpointReader(folder)
         self.dtype, self.device = dtype, device
         quantization = json.loads((folder / "config.json").read_text()).get("quantization_config")
-        self.schemes = schemes_from_config(quantization) if quantization else []
+        self.layout = layout_of(quantization) if quantization else None
+        compressed_tensors = quantization is not None and quantization["quant_method"] == "compressed-tensors"
+        self.schemes = schemes_from_config(quantization) if compressed_tensors else []  # legacy layouts: weight-only
         kv_cache = kv_cache_args_from_config(quantization) if quantization else None
         self.kv_cache_dtype = torch.float8_e4m3fn if kv_cache is not None and kv_cache.type == "float" else dtype
 
@@ -44,10 +46,12 @@ class WeightLoader:
 
     def _linear_weight(self, name: str) -> LinearWeight:
         bias = self.reader.tensor(f"{name}.bias") if f"{name}.bias" in self.reader else None
-        if f"{name}.weight_scale" not in self.reader:
+        if self.layout is None or f"{name}{self.layout.marker}" not in self.reader:
             return LinearWeight(self.reader.tensor(f"{name}.weight"), bias)
-        _, args, input_activations = scheme_of(name, self.schemes)
-        weight = read_quantized_weight(self.reader, name, args)
+        weight = self.layout.read(self.reader, name)
+        if not self.schemes:
+            return LinearWeight(weight, bias)
+        input_activations = scheme_of(name, self.schemes)[2]
         weight.input_activations = input_activations
         static = input_activations is not None and not input_activations.dynamic
         return LinearWeight(weight, bias, self.reader.tensor(f"{name}.input_scale") if static else None)

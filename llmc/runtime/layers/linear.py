@@ -52,6 +52,7 @@ class Int4CpuLinear(nn.Module):
             device == "cpu"
             and dtype == torch.bfloat16
             and isinstance(quantized, QuantizedWeight)
+            and quantized.g_idx is None
             and quantized.args.num_bits == 4
             and quantized.args.symmetric
             and quantized.args.strategy == "group"
