@@ -111,9 +111,8 @@ def runtime_quantization(folder: Path) -> RuntimeQuantization:
     return RuntimeQuantization(inputs, kv_cache_args_from_config(quantization), kv_scales)
 
 
+QUANTIZED_MODULE = torch.nn.Linear(1, 1, device="meta")  # what every quantized tensor group of an artifact belongs to
+
+
 def scheme_of(name: str, schemes: list[tuple]) -> tuple:
-    return next(scheme for scheme in schemes if _targets_module(name, scheme[0]))
-
-
-def _targets_module(name: str, targets: list[str]) -> bool:
-    return "Linear" in targets or matches(name, torch.nn.Identity(), targets)
+    return next(scheme for scheme in schemes if matches(name, QUANTIZED_MODULE, scheme[0]))

@@ -67,8 +67,8 @@ class AsyncLLMEngine:
             _, token_ids, params, request_id = command
             if request_id in self._streams:
                 self.engine.add_request(token_ids, params, request_id)
-            else:  # abandoned by its caller before the engine saw it: an abort all the same
-                self.engine.scheduler.num_finished["abort"] += 1
+            else:
+                self.engine.count_abandoned()
         else:
             self.engine.abort(command[1])
 

@@ -85,6 +85,10 @@ class LLMEngine:
         if seq is not None and not seq.is_finished:
             self.scheduler.finish(seq, "abort")
 
+    def count_abandoned(self) -> None:
+        """A request its caller gave up on before the engine admitted it: counted as aborted all the same."""
+        self.scheduler.num_finished["abort"] += 1
+
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
 
