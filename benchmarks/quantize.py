@@ -46,6 +46,7 @@ W8A8_STAGES = {
     "SmoothQuant W8A8 a0.8": "  - type: smoothquant\n    alpha: 0.8\n  - type: rtn\n    scheme: W8A8\n",
     "SmoothQuant+GPTQ W8A8": "  - type: smoothquant\n  - type: gptq\n    scheme: W8A8\n",
     "FP8 dynamic": "  - type: rtn\n    scheme: FP8_DYNAMIC\n",
+    "SmoothQuant FP8 dynamic": "  - type: smoothquant\n    alpha: 0.5\n  - type: rtn\n    scheme: FP8_DYNAMIC\n",
     "FP8 static": "  - type: rtn\n    scheme: FP8\n",
     "FP8 block": "  - type: rtn\n    scheme: FP8_BLOCK\n",
 }
