@@ -11,6 +11,7 @@ from llmc.runtime.config import EngineConfig
 from llmc.runtime.engine import LLMEngine
 from llmc.runtime.sampling_params import SamplingParams
 from llmc.runtime.spec.acceptance import greedy_accept, rejection_sample
+from llmc.runtime.spec.tree import DraftTree
 
 
 @pytest.fixture(scope="module")
@@ -57,29 +58,32 @@ def test_sampled_speculative_decoding_is_reproducible_with_a_seed(tiny_llama, tr
     assert len(first[0]["logprobs"]) == 16 and engine.runner.speculator.stats.num_drafts > 0
 
 
-def test_greedy_accept_takes_the_longest_matching_prefix():
-    assert greedy_accept([5, 6, 7, 8], [5, 6, 9]) == 2
-    assert greedy_accept([5, 6, 7, 8], [5, 6, 7]) == 3
-    assert greedy_accept([5], []) == 0
+def test_greedy_accept_follows_the_targets_choices_down_the_tree():
+    chain = DraftTree.chain([5, 6, 9])
+    assert greedy_accept([5, 6, 7, 8], chain) == [0, 1]
+    assert greedy_accept([5, 6, 9, 8], chain) == [0, 1, 2]
+    assert greedy_accept([5], DraftTree()) == []
+    tree = DraftTree([4, 5, 7, 6], [-1, -1, 0, 1])  # 4 -> 7 and 5 -> 6
+    assert greedy_accept([5, 7, 6, 0, 1], tree) == [1, 3]
+    assert tree.depths == [1, 1, 2, 2] and tree.path(3) == [1, 3] and not tree.is_chain
 
 
-@pytest.mark.parametrize("deterministic_draft", [False, True])
-def test_rejection_sampling_follows_the_target_distribution(deterministic_draft):
+@pytest.mark.parametrize("tree", [DraftTree.chain([0, 1]), DraftTree([2, 0, 1, 3], [-1, -1, 0, 1])], ids=["chain", "tree"])
+def test_rejection_sampling_follows_the_target_distribution(tree):
+    """Whatever the drafts, the first token follows the target's row 0 and, given the first, the second follows the
+    row of the node that holds the first (or row 0's distribution again when no node does: not tested here)."""
     generator = torch.Generator().manual_seed(0)
     vocab, num_draws = 6, 8000
-    target = (torch.randn(3, vocab, generator=generator) * 1.5).softmax(-1)
-    draft = (torch.randn(2, vocab, generator=generator) * 1.5).softmax(-1)
-    if deterministic_draft:  # the engine's case: heads propose their top-1 guess
-        draft = torch.nn.functional.one_hot(draft.argmax(-1), vocab).float()
+    target = (torch.randn(1 + len(tree), vocab, generator=generator) * 1.5).softmax(-1)
     first, second = torch.zeros(vocab), torch.zeros(vocab)
     for _ in range(num_draws):
-        proposals = [int(torch.multinomial(row, 1, generator=generator)) for row in draft]
-        tokens = rejection_sample(target, proposals, draft, generator)
+        path, last = rejection_sample(target, tree, generator)
+        tokens = [tree.tokens[node] for node in path] + [last]
         first[tokens[0]] += 1
-        if len(tokens) > 1:  # the first draft was kept: the second token follows the next target row
+        if path and path[0] == 0:  # the second token is drawn after node 0
             second[tokens[1]] += 1
     assert chisquare(first, target[0] * num_draws).pvalue > 1e-3
-    assert chisquare(second, target[1] * second.sum()).pvalue > 1e-3
+    assert chisquare(second, target[1] * second.sum()).pvalue > 1e-3 and second.sum() > 100
 
 
 def test_metrics_expose_acceptance(tiny_llama, trained):

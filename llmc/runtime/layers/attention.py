@@ -14,6 +14,7 @@ class AttentionMetadata:
     seq_lens: list[int]  # context_lens as Python ints
     query_lens: list[int]  # new tokens per sequence
     num_decodes: int  # the first num_decodes sequences have exactly one new token
+    decode_slots: list[torch.Tensor] | None = None  # when drafts are verified: the cache slots each decode row attends
 
 
 def gather_kv(cache: torch.Tensor, block_table: torch.Tensor, context_len: int) -> torch.Tensor:
@@ -27,9 +28,14 @@ def decode_attention_reference(
 ) -> torch.Tensor:
     """One query token per sequence: [num_seqs, heads, head_dim] -> same shape. Plain matmuls in float32: for a
     single query, torch's CPU flash-attention kernel is twice as slow."""
+    return attend_gathered(query, k_cache[block_tables].flatten(1, 2), v_cache[block_tables].flatten(1, 2), context_lens, scale)
+
+
+def attend_gathered(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, context_lens: torch.Tensor, scale: float) -> torch.Tensor:
+    """query [num_seqs, heads, head_dim] over keys/values [num_seqs, max_len, kv_heads, head_dim], the first
+    context_len of each."""
     num_seqs, num_heads, head_dim = query.shape
-    keys = k_cache[block_tables].flatten(1, 2).float()  # [num_seqs, max_len, kv_heads, head_dim]
-    values = v_cache[block_tables].flatten(1, 2).float()
+    keys, values = keys.float(), values.float()
     num_kv_heads = keys.shape[2]
     grouped = query.view(num_seqs, num_kv_heads, num_heads // num_kv_heads, head_dim).float()
     scores = torch.einsum("bhgd,blhd->bhgl", grouped, keys) * scale
@@ -37,6 +43,20 @@ def decode_attention_reference(
     scores.masked_fill_(padding[:, None, None, :], float("-inf"))
     out = torch.einsum("bhgl,blhd->bhgd", scores.softmax(-1), values)
     return out.reshape(num_seqs, num_heads, head_dim).to(query.dtype)
+
+
+def decode_rows_one_by_one(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, row_slots: list[torch.Tensor], scale: float) -> torch.Tensor:
+    """Each query row alone over exactly its slots, padded to whole blocks: bit for bit what a one-token decode of
+    that row at batch 1 computes. Draft rows take this path because batching rows changes the float32 summation
+    order of the matmuls, and in bfloat16 that changes greedy choices."""
+    block_size = k_cache.shape[1]
+    keys, values = k_cache.flatten(0, 1), v_cache.flatten(0, 1)
+    outputs = []
+    for row, slots in enumerate(row_slots):
+        padded = F.pad(slots, (0, -len(slots) % block_size))  # padding reads slot 0, masked
+        context_len = torch.tensor([len(slots)], device=query.device)
+        outputs.append(attend_gathered(query[row : row + 1], keys[padded][None], values[padded][None], context_len, scale))
+    return torch.cat(outputs)
 
 
 def prefill_attention_reference(
@@ -71,7 +91,9 @@ class PagedAttention(nn.Module):
         self.v_cache.view(-1, self.num_kv_heads, self.head_dim).index_copy_(0, metadata.slot_mapping, v)
         num_decodes = metadata.num_decodes
         outputs = []
-        if num_decodes:
+        if metadata.decode_slots is not None:
+            outputs.append(decode_rows_one_by_one(q[:num_decodes], self.k_cache, self.v_cache, metadata.decode_slots, self.scale))
+        elif num_decodes:
             outputs.append(self.decode_attention(
                 q[:num_decodes], self.k_cache, self.v_cache, metadata.block_tables[:num_decodes],
                 metadata.context_lens[:num_decodes], self.scale,
