@@ -4,23 +4,56 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
-from llmc.draft.build import train_medusa
-from llmc.draft.data import self_distill
+from llmc.draft.build import train_eagle, train_medusa
+from llmc.draft.data import DistillSet, self_distill
 from llmc.recipe import DraftConfig
 from llmc.runtime.config import EngineConfig
 from llmc.runtime.engine import LLMEngine
 from llmc.runtime.sampling_params import SamplingParams
 from llmc.runtime.spec.acceptance import greedy_accept, rejection_sample
+from llmc.runtime.spec.proposers import most_probable_nodes
 from llmc.runtime.spec.tree import DraftTree
 
 
 @pytest.fixture(scope="module")
-def trained(tmp_path_factory, tiny_llama, calib_file) -> tuple[Path, list[list[int]]]:
+def distilled(tiny_llama, calib_file) -> DistillSet:
+    return self_distill(tiny_llama, calib_file, 6, 24)
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory, distilled) -> tuple[Path, list[list[int]]]:
     """Heads trained on the tiny model's own answers, and the prompts (as token ids) they were trained on."""
     folder = tmp_path_factory.mktemp("draft")
-    data = self_distill(tiny_llama, calib_file, 6, 24)
-    train_medusa(data, DraftConfig(num_heads=3, steps=150, batch_size=64, lr=1e-2), folder)
-    return folder, [ids[:start] for ids, start in zip(data.token_ids, data.answer_starts)]
+    train_medusa(distilled, DraftConfig(num_heads=3, steps=150, batch_size=64, lr=1e-2), folder)
+    return folder, [ids[:start] for ids, start in zip(distilled.token_ids, distilled.answer_starts)]
+
+
+@pytest.fixture(scope="module")
+def trained_eagle(tmp_path_factory, tiny_llama, distilled, trained) -> Path:
+    folder = tmp_path_factory.mktemp("eagle")
+    train_eagle(distilled, DraftConfig(method="eagle", steps=150, batch_size=64, lr=3e-3), folder, tiny_llama)
+    return folder
+
+
+@pytest.mark.parametrize("tree_nodes", [0, 8], ids=["chain", "tree"])
+@pytest.mark.parametrize("max_num_seqs, max_num_batched_tokens", [(1, 512), (4, 7)])
+def test_eagle_greedy_output_equals_plain_decoding(tiny_llama, trained, trained_eagle, tree_nodes, max_num_seqs, max_num_batched_tokens):
+    _, prompts = trained
+    params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+    limits = dict(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens)
+    plain = build(tiny_llama, **limits).generate(prompts, params)
+    engine = build(tiny_llama, speculative=trained_eagle, num_speculative_tokens=3, speculative_tree_nodes=tree_nodes, **limits)
+    speculative = engine.generate(prompts, params)
+    assert [out["token_ids"] for out in speculative] == [out["token_ids"] for out in plain]
+    stats = engine.runner.speculator.stats
+    assert stats.num_drafts > 0 and stats.mean_accepted_length > 1.2
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+
+
+def test_eagle_tree_keeps_the_most_probable_paths():
+    tree = DraftTree([1, 2, 3, 4, 5], [-1, -1, 0, 0, 1])
+    kept = most_probable_nodes(tree, [-0.1, -1.0, -0.3, -2.0, -1.5], 3)
+    assert kept == DraftTree([1, 2, 3], [-1, -1, 0])
 
 
 def build(model: Path, **kwargs) -> LLMEngine:

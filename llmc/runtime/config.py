@@ -16,5 +16,6 @@ class EngineConfig:
     dtype: torch.dtype = torch.bfloat16  # float32 runs the exact path (dense matmuls), bfloat16 the int4 kernels
     device: str = "cpu"
     speculative: Path | None = None  # a draft folder (config.json + heads) to propose tokens with
-    num_speculative_tokens: int | None = None  # None: one per draft head
+    num_speculative_tokens: int | None = None  # draft depth; None: one per Medusa head, 5 for EAGLE
+    speculative_tree_nodes: int = 0  # EAGLE: verify a tree of this many nodes, the most probable paths; 0: a chain
     speculative_max_num_seqs: int = 4  # above this many sequences in a step, decode without drafts

@@ -38,7 +38,7 @@ class SpeculativeDecoder:
             num_nodes = seq.num_computed_tokens + seq.num_scheduled_tokens - len(seq)
             if num_nodes < 0:  # a prefill chunk that does not reach the last token
                 first = seq.num_computed_tokens + 1
-                observed.append(Observed(seq, hidden[start:end], seq.token_ids[first : first + end - start], False))
+                observed.append(Observed(seq, seq.num_computed_tokens, hidden[start:end], seq.token_ids[first : first + end - start], False))
             else:
                 root = end - num_nodes - 1
                 path, tokens = self._verify(seq, seq.draft.truncated(num_nodes), self.compute_logits(hidden[root:end]))
@@ -46,7 +46,7 @@ class SpeculativeDecoder:
                 outputs[seq] = tokens
                 rows = list(range(start, root + 1)) + [root + 1 + node for node in path]
                 known = seq.token_ids[seq.num_computed_tokens + 1 :] + [token.token_id for token in tokens]
-                observed.append(Observed(seq, hidden[rows], known, True))
+                observed.append(Observed(seq, seq.num_computed_tokens, hidden[rows], known, True))
             start = end
         self._propose(observed, outputs)
         return outputs
