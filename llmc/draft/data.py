@@ -85,7 +85,7 @@ def save_distill_set(data: DistillSet, path: Path) -> None:
         "lengths": torch.tensor([len(ids) for ids in data.token_ids]),
         "answer_starts": torch.tensor(data.answer_starts),
         "hidden": torch.cat(data.hidden).bfloat16(),
-        "lm_head": data.lm_head.bfloat16(),
+        "lm_head": data.lm_head.bfloat16().contiguous(),
     }
     save_file(tensors, path)
 
