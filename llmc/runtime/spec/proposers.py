@@ -65,10 +65,13 @@ class EagleProposer:
         self.caches: WeakKeyDictionary[Sequence, EagleCache] = WeakKeyDictionary()
 
     def propose(self, observed: list[Observed], drafting: bool) -> dict:
+        """Under load nothing is fed either: a sequence that drafts again later attends to the pairs seen while drafting."""
+        if not drafting:
+            return {}
         trees = {}
         for item in observed:
             cache = self._commit(item)
-            if item.sampled and drafting and cache.last_output is not None:
+            if item.sampled and cache.last_output is not None:
                 trees[item.seq] = self._draft(cache)
         return trees
 
