@@ -78,7 +78,8 @@ def test_distillation_set_round_trips_through_safetensors(tmp_path):
 
 def test_eagle_draft_learns_to_predict_the_next_feature(tmp_path):
     torch.manual_seed(0)
-    shape = EagleShape(hidden_size=16, num_heads=2, num_kv_heads=1, intermediate_size=32, rope_theta=10000.0, rms_norm_eps=1e-6)
+    shape = EagleShape(hidden_size=16, num_heads=2, num_kv_heads=1, intermediate_size=32, rope_theta=10000.0, rms_norm_eps=1e-6,
+                       draft_vocab_size=10)
     features = torch.randn(2, 12, 16)
     embeddings, positions = torch.randn(2, 12, 16), torch.arange(12).expand(2, 12)
     targets, labels, lm_head = features.roll(-1, 1), torch.randint(0, 10, (2, 12)), torch.randn(10, 16)

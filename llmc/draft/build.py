@@ -66,17 +66,17 @@ def train_medusa(data: DistillSet, config: DraftConfig, folder: Path) -> dict:
     return summary
 
 
-def eagle_shape(artifact: Path) -> EagleShape:
+def eagle_shape(artifact: Path, draft_vocab_size: int) -> EagleShape:
     """The draft layer takes the target's own layer sizes."""
     hf = AutoConfig.from_pretrained(artifact)
     rope_theta = (getattr(hf, "rope_parameters", None) or {}).get("rope_theta") or getattr(hf, "rope_theta", 10000.0)
-    return EagleShape(hf.hidden_size, hf.num_attention_heads, hf.num_key_value_heads, hf.intermediate_size, rope_theta, hf.rms_norm_eps)
+    return EagleShape(hf.hidden_size, hf.num_attention_heads, hf.num_key_value_heads, hf.intermediate_size, rope_theta,
+                      hf.rms_norm_eps, draft_vocab_size)
 
 
 def train_eagle(data: DistillSet, config: DraftConfig, folder: Path, artifact: Path) -> dict:
     """Windows of (feature at t, token t + 1) pairs; the draft learns the feature at t + 1 and the token t + 2 it
-    leads to. Only answer tokens are learned; the cross-entropy runs over the tokens the set holds."""
-    shape = eagle_shape(artifact)
+    leads to. Only answer tokens are learned; the draft's vocabulary is the tokens the set holds."""
     embeddings = WeightLoader(artifact, torch.float32, "cpu").tensor("model.embed_tokens.weight")
     window_len = min(EAGLE_WINDOW, max(len(ids) for ids in data.token_ids) - 2)
     seqs = [(torch.tensor(ids), hidden, start) for ids, hidden, start in zip(data.token_ids, data.hidden, data.answer_starts)
@@ -86,7 +86,9 @@ def train_eagle(data: DistillSet, config: DraftConfig, folder: Path, artifact: P
     to_vocab[vocab] = torch.arange(len(vocab))
     lm_head = data.lm_head[vocab]
     noise_scale = torch.cat([hidden for _, hidden, _ in seqs]).pow(2).mean().sqrt().item()
+    shape = eagle_shape(artifact, len(vocab))
     draft = EagleDraft(shape)
+    draft.vocab.copy_(vocab)
     generator = torch.Generator().manual_seed(config.seed)
     num_windows = max(1, config.batch_size // window_len)
 

@@ -18,6 +18,7 @@ class EagleShape:
     intermediate_size: int
     rope_theta: float
     rms_norm_eps: float
+    draft_vocab_size: int  # the draft guesses among the tokens its training set holds: a cheaper LM head
 
 
 def rotate(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tensor:
@@ -43,6 +44,7 @@ class EagleDraft(nn.Module):
         self.gate_proj = nn.Linear(hidden, shape.intermediate_size, bias=False)
         self.up_proj = nn.Linear(hidden, shape.intermediate_size, bias=False)
         self.down_proj = nn.Linear(shape.intermediate_size, hidden, bias=False)
+        self.register_buffer("vocab", torch.zeros(shape.draft_vocab_size, dtype=torch.long))  # token id of each draft guess
 
     def forward(
         self, features: torch.Tensor, embeddings: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor,

@@ -6,7 +6,7 @@ from transformers import AutoConfig
 
 from llmc.errors import LlmcError
 from llmc.runtime.config import EngineConfig
-from llmc.runtime.layers.attention import AttentionMetadata
+from llmc.runtime.layers.attention import AttentionMetadata, DecodeGroup
 from llmc.runtime.layers.sampler import SampledToken, sample
 from llmc.runtime.loader import WeightLoader
 from llmc.runtime.models.llama import LlamaForCausalLM
@@ -57,7 +57,7 @@ class ModelRunner:
         logger.info("KV cache: %d blocks of %d tokens; max model length %d", self.num_blocks, self.block_size, self.max_model_len)
 
     def _prepare(self, seqs: list[Sequence]) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
-        input_ids, positions, slot_mapping, seq_lens, query_lens, group_seqs, attended = [], [], [], [], [], [], []
+        input_ids, positions, slot_mapping, seq_lens, query_lens, group_seqs = [], [], [], [], [], []
         for seq in seqs:
             start, end = seq.num_computed_tokens, seq.num_computed_tokens + seq.num_scheduled_tokens
             tree = seq.draft.truncated(max(0, end - len(seq)))
@@ -68,12 +68,10 @@ class ModelRunner:
                 seq_lens += range(start + 1, end + 1)
                 query_lens += [1] * (end - start)
                 group_seqs += [seq] * (end - start)
-                attended += [(seq, list(range(len(seq))) + [len(seq) + n for n in tree.path(node)]) for node in range(-1, len(tree))]
             else:
                 seq_lens.append(end)
                 query_lens.append(end - start)
                 group_seqs.append(seq)
-                attended.append((seq, list(range(end))))
         max_blocks = max(len(seq.block_table) for seq in seqs)
         block_tables = [seq.block_table + [0] * (max_blocks - len(seq.block_table)) for seq in group_seqs]
 
@@ -82,6 +80,7 @@ class ModelRunner:
 
         num_decodes = next((index for index, length in enumerate(query_lens) if length != 1), len(query_lens))
         verifying = any(len(seq.draft) for seq in seqs)
+        decode_seqs = list(dict.fromkeys(group_seqs[:num_decodes]))
         metadata = AttentionMetadata(
             slot_mapping=tensor(slot_mapping),
             block_tables=tensor(block_tables),
@@ -89,9 +88,26 @@ class ModelRunner:
             seq_lens=seq_lens,
             query_lens=query_lens,
             num_decodes=num_decodes,
-            decode_slots=[tensor(self._slots(seq, rows)) for seq, rows in attended[:num_decodes]] if verifying else None,
+            decode_groups=[self._decode_group(seq) for seq in decode_seqs] if verifying else None,
         )
         return tensor(input_ids), tensor(positions), metadata
+
+    def _decode_group(self, seq: Sequence) -> DecodeGroup:
+        """The last token, then every draft node, at cache position len(seq) + node; a node on the chain from the
+        last token attends to a plain prefix, the others to the prefix of real tokens plus their ancestors."""
+        end = seq.num_computed_tokens + seq.num_scheduled_tokens
+        tree = seq.draft.truncated(max(0, end - len(seq)))
+        prefix_lens, branches = [end - len(tree)], [[]]
+        for node in range(len(tree)):
+            path = tree.path(node)
+            on_chain = path == list(range(node + 1))
+            prefix_lens.append(len(seq) + node + 1 if on_chain else len(seq))
+            branches.append([] if on_chain else [len(seq) + ancestor for ancestor in path])
+        return DecodeGroup(self._padded_slots(seq, end), prefix_lens, branches)
+
+    def _padded_slots(self, seq: Sequence, num_positions: int) -> torch.Tensor:
+        padded = -(-num_positions // self.block_size) * self.block_size
+        return torch.tensor(self._slots(seq, list(range(num_positions))) + [0] * (padded - num_positions), device=self.device)
 
     def _slots(self, seq: Sequence, positions: list[int]) -> list[int]:
         return [seq.block_table[p // self.block_size] * self.block_size + p % self.block_size for p in positions]

@@ -7,6 +7,16 @@ from torch import nn
 
 
 @dataclass(slots=True)
+class DecodeGroup:
+    """One sequence's decode rows when a step verifies drafts: row i attends to the first prefix_lens[i] positions
+    of the sequence, then to the positions branches[i] (a tree node's ancestors among the drafts)."""
+
+    slots: torch.Tensor  # cache slot of every position, padded to whole blocks
+    prefix_lens: list[int]
+    branches: list[list[int]]
+
+
+@dataclass(slots=True)
 class AttentionMetadata:
     slot_mapping: torch.Tensor  # [num_tokens] cache slot (block_id * block_size + offset) of every new token
     block_tables: torch.Tensor  # [num_seqs, max_blocks], padded with block 0
@@ -14,7 +24,7 @@ class AttentionMetadata:
     seq_lens: list[int]  # context_lens as Python ints
     query_lens: list[int]  # new tokens per sequence
     num_decodes: int  # the first num_decodes sequences have exactly one new token
-    decode_slots: list[torch.Tensor] | None = None  # when drafts are verified: the cache slots each decode row attends
+    decode_groups: list[DecodeGroup] | None = None  # when drafts are verified: the decode rows, one by one
 
 
 def gather_kv(cache: torch.Tensor, block_table: torch.Tensor, context_len: int) -> torch.Tensor:
@@ -45,17 +55,24 @@ def attend_gathered(query: torch.Tensor, keys: torch.Tensor, values: torch.Tenso
     return out.reshape(num_seqs, num_heads, head_dim).to(query.dtype)
 
 
-def decode_rows_one_by_one(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, row_slots: list[torch.Tensor], scale: float) -> torch.Tensor:
-    """Each query row alone over exactly its slots, padded to whole blocks: bit for bit what a one-token decode of
-    that row at batch 1 computes. Draft rows take this path because batching rows changes the float32 summation
-    order of the matmuls, and in bfloat16 that changes greedy choices."""
+def decode_rows_one_by_one(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, groups: list[DecodeGroup], scale: float) -> torch.Tensor:
+    """Each query row alone over exactly its positions, padded to whole blocks: bit for bit what a one-token decode
+    of that row at batch 1 computes. Draft rows take this path because batching rows changes the float32
+    summation order of the matmuls, and in bfloat16 that changes greedy choices."""
     block_size = k_cache.shape[1]
-    keys, values = k_cache.flatten(0, 1), v_cache.flatten(0, 1)
     outputs = []
-    for row, slots in enumerate(row_slots):
-        padded = F.pad(slots, (0, -len(slots) % block_size))  # padding reads slot 0, masked
-        context_len = torch.tensor([len(slots)], device=query.device)
-        outputs.append(attend_gathered(query[row : row + 1], keys[padded][None], values[padded][None], context_len, scale))
+    for group in groups:
+        keys, values = k_cache.flatten(0, 1)[group.slots], v_cache.flatten(0, 1)[group.slots]
+        for prefix_len, branch in zip(group.prefix_lens, group.branches):
+            length = prefix_len + len(branch)
+            padded = -(-length // block_size) * block_size
+            if branch:  # padding reads position 0, masked
+                index = torch.tensor(list(range(prefix_len)) + branch + [0] * (padded - length), device=query.device)
+                row_keys, row_values = keys[index], values[index]
+            else:
+                row_keys, row_values = keys[:padded], values[:padded]
+            row = query[len(outputs) : len(outputs) + 1]
+            outputs.append(attend_gathered(row, row_keys[None], row_values[None], torch.tensor([length], device=query.device), scale))
     return torch.cat(outputs)
 
 
@@ -91,8 +108,8 @@ class PagedAttention(nn.Module):
         self.v_cache.view(-1, self.num_kv_heads, self.head_dim).index_copy_(0, metadata.slot_mapping, v)
         num_decodes = metadata.num_decodes
         outputs = []
-        if metadata.decode_slots is not None:
-            outputs.append(decode_rows_one_by_one(q[:num_decodes], self.k_cache, self.v_cache, metadata.decode_slots, self.scale))
+        if metadata.decode_groups is not None:
+            outputs.append(decode_rows_one_by_one(q[:num_decodes], self.k_cache, self.v_cache, metadata.decode_groups, self.scale))
         elif num_decodes:
             outputs.append(self.decode_attention(
                 q[:num_decodes], self.k_cache, self.v_cache, metadata.block_tables[:num_decodes],

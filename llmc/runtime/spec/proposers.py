@@ -61,6 +61,9 @@ class EagleProposer:
 
     def __init__(self, draft: EagleDraft, model: LlamaForCausalLM, depth: int, num_nodes: int, top_k: int):
         self.draft, self.model = draft, model
+        hidden_size = draft.shape.hidden_size
+        identity = torch.eye(hidden_size, dtype=model.embed_tokens.dtype, device=model.embed_tokens.device)
+        self.lm_head = model.compute_logits(identity)[:, draft.vocab].T.contiguous()  # the draft vocabulary's rows
         self.max_depth, self.num_nodes, self.top_k = depth, num_nodes, top_k
         self.caches: WeakKeyDictionary[Sequence, EagleCache] = WeakKeyDictionary()
 
@@ -97,13 +100,14 @@ class EagleProposer:
         keys, values = cache.keys, cache.values
         frontier, frontier_features, frontier_scores = [ROOT], cache.last_output[None], torch.zeros(1)
         for depth in range(1, self.max_depth + 1):
-            logprobs = self.model.compute_logits(frontier_features).float().log_softmax(-1).cpu()
+            logprobs = (frontier_features @ self.lm_head.T).float().log_softmax(-1).cpu()
             top = logprobs.topk(self.top_k, dim=-1)
             candidates = (frontier_scores[:, None] + top.values).flatten()
             best = candidates.topk(min(self.top_k, len(candidates))).indices.tolist()
             level = range(len(tree), len(tree) + len(best))
+            token_ids = self.draft.vocab[top.indices.flatten()].tolist()
             for index in best:
-                tree.tokens.append(int(top.indices.flatten()[index]))
+                tree.tokens.append(token_ids[index])
                 tree.parents.append(frontier[index // self.top_k])
                 scores.append(float(candidates[index]))
             if depth == self.max_depth:
