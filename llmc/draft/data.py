@@ -66,8 +66,10 @@ def self_distill(artifact: Path, prompts_file: Path, num_prompts: int, max_token
 
 def cached_self_distill(artifact: Path, prompts_file: Path, num_prompts: int, max_tokens: int) -> DistillSet:
     check_not_eval_set(prompts_file)
+    manifest = json.loads((artifact / MANIFEST).read_text())
+    manifest.pop("draft", None)  # the model, not the heads trained on it
     key = hashlib.sha256(b"\0".join([
-        str(artifact.resolve()).encode(), (artifact / MANIFEST).read_bytes(), prompts_file.read_bytes(), f"{num_prompts},{max_tokens}".encode(),
+        json.dumps(manifest, sort_keys=True).encode(), prompts_file.read_bytes(), f"{num_prompts},{max_tokens}".encode(),
     ])).hexdigest()[:16]
     path = llmc_home() / "distill" / f"{key}.safetensors"
     if path.is_file():
