@@ -37,8 +37,15 @@ def decode_attention_reference(
     context_lens: torch.Tensor, scale: float,
 ) -> torch.Tensor:
     """One query token per sequence: [num_seqs, heads, head_dim] -> same shape. Plain matmuls in float32: for a
-    single query, torch's CPU flash-attention kernel is twice as slow."""
-    return attend_gathered(query, k_cache[block_tables].flatten(1, 2), v_cache[block_tables].flatten(1, 2), context_lens, scale)
+    single query, torch's CPU flash-attention kernel is twice as slow. One sequence at a time over its own blocks:
+    batched, the matmuls sum in another order, and in bfloat16 that changes greedy choices with the batch."""
+    block_size = k_cache.shape[1]
+    outputs = []
+    for row, context_len in enumerate(context_lens.tolist()):
+        blocks = block_tables[row, : -(-context_len // block_size)]
+        keys, values = k_cache[blocks].flatten(0, 1)[None], v_cache[blocks].flatten(0, 1)[None]
+        outputs.append(attend_gathered(query[row : row + 1], keys, values, context_lens[row : row + 1], scale))
+    return torch.cat(outputs)
 
 
 def attend_gathered(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, context_lens: torch.Tensor, scale: float) -> torch.Tensor:
@@ -56,9 +63,9 @@ def attend_gathered(query: torch.Tensor, keys: torch.Tensor, values: torch.Tenso
 
 
 def decode_rows_one_by_one(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, groups: list[DecodeGroup], scale: float) -> torch.Tensor:
-    """Each query row alone over exactly its positions, padded to whole blocks: bit for bit what a one-token decode
-    of that row at batch 1 computes. Draft rows take this path because batching rows changes the float32
-    summation order of the matmuls, and in bfloat16 that changes greedy choices."""
+    """Decode rows of a step that verifies drafts, one by one like decode_attention_reference's, over exactly their
+    positions padded to whole blocks: a draft row computes bit for bit what decoding its token would, and a tree
+    node skips the other branches. Each sequence's keys are gathered once."""
     block_size = k_cache.shape[1]
     outputs = []
     for group in groups:
