@@ -47,15 +47,16 @@ def test_training_resumes_from_its_checkpoint(tmp_path):
     assert (tmp_path / "loss.png").is_file() and not (tmp_path / CHECKPOINT).exists()
 
 
-def test_recipe_draft_trains_heads_into_the_artifact(tmp_path, tiny_llama, calib_file, monkeypatch):
+@pytest.mark.parametrize("method", ["medusa", "eagle"])
+def test_recipe_draft_trains_heads_into_the_artifact(tmp_path, tiny_llama, calib_file, monkeypatch, method):
     monkeypatch.setenv("LLMC_HOME", str(tmp_path / "home"))  # the distillation cache
     recipe = write_recipe(tmp_path / "r.yaml", tiny_llama, tmp_path / "out", STAGE, calib_file)
-    recipe.write_text(recipe.read_text() + f"draft:\n  prompts: {calib_file}\n  num_prompts: 6\n  max_tokens: 24\n"
-                      "  num_heads: 2\n  steps: 30\n  batch_size: 32\n")
+    recipe.write_text(recipe.read_text() + f"draft:\n  method: {method}\n  prompts: {calib_file}\n  num_prompts: 6\n"
+                      "  max_tokens: 24\n  num_heads: 2\n  steps: 30\n  batch_size: 32\n")
     artifact = run_quantize(load_recipe(recipe, ["calibration.num_samples=2"]))
     assert {path.name for path in (artifact / "draft").iterdir()} == {"config.json", "heads.safetensors", "loss.png"}
     info = describe_artifact(artifact)
-    assert info["draft"]["num_heads"] == 2 and info["draft"]["trained_on"]["num_answers"] == 4
+    assert info["draft"]["method"] == method and info["draft"]["trained_on"]["num_answers"] == 4
     assert "draft/heads.safetensors" in info["manifest"]["files"]
     histogram = tmp_path / "accepted.png"
     run = CliRunner().invoke(cli, ["eval", str(artifact), "--speculative", "auto", "--prompts", str(calib_file), "--num-prompts", "2",
