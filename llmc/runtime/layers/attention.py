@@ -69,7 +69,7 @@ def decode_rows_one_by_one(query: torch.Tensor, k_cache: torch.Tensor, v_cache: 
     block_size = k_cache.shape[1]
     outputs = []
     for group in groups:
-        keys, values = k_cache.flatten(0, 1)[group.slots], v_cache.flatten(0, 1)[group.slots]
+        keys, values = k_cache.flatten(0, 1)[group.slots].float(), v_cache.flatten(0, 1)[group.slots].float()
         for prefix_len, branch in zip(group.prefix_lens, group.branches):
             length = prefix_len + len(branch)
             padded = -(-length // block_size) * block_size
