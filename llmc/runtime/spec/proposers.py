@@ -130,7 +130,8 @@ class EagleProposer:
 def most_probable_nodes(tree: DraftTree, scores: list[float], num_nodes: int) -> DraftTree:
     """The num_nodes nodes of highest path probability, parents first; a path is never likelier than its parent,
     so the kept nodes form a tree."""
-    kept = sorted(sorted(range(len(tree)), key=lambda node: (-scores[node], tree.depths[node]))[:num_nodes])
+    depths = tree.depths
+    kept = sorted(sorted(range(len(tree)), key=lambda node: (-scores[node], depths[node]))[:num_nodes])
     renumbered = {old: new for new, old in enumerate(kept)} | {ROOT: ROOT}
     return DraftTree([tree.tokens[node] for node in kept], [renumbered[tree.parents[node]] for node in kept])
 
