@@ -32,22 +32,27 @@ class SpeculativeDecoder:
 
     def step(self, seqs: list[Sequence], hidden: torch.Tensor) -> dict[Sequence, list[SampledToken]]:
         """hidden: the forward's rows, each sequence's scheduled chunk in order (prompt or last token, then nodes)."""
-        outputs, observed, start = {}, [], 0
+        chunks, start = [], 0
         for seq in seqs:
-            end = start + seq.num_scheduled_tokens
-            num_nodes = seq.num_computed_tokens + seq.num_scheduled_tokens - len(seq)
-            if num_nodes < 0:  # a prefill chunk that does not reach the last token
+            chunks.append((seq, start, start + seq.num_scheduled_tokens))
+            start += seq.num_scheduled_tokens
+        verified = [(seq, start, end, end - (seq.num_computed_tokens + seq.num_scheduled_tokens - len(seq)) - 1)
+                    for seq, start, end in chunks if seq.num_computed_tokens + seq.num_scheduled_tokens >= len(seq)]
+        rows = [row for _, _, end, root in verified for row in range(root, end)]
+        logits = self.compute_logits(hidden[rows]) if rows else None  # one LM-head matmul for the whole batch
+        outputs, observed, offset = {}, [], 0
+        for seq, start, end, root in verified:
+            path, tokens = self._verify(seq, seq.draft.truncated(end - root - 1), logits[offset : offset + end - root])
+            offset += end - root
+            self._move_kv(seq, path)
+            outputs[seq] = tokens
+            kept = list(range(start, root + 1)) + [root + 1 + node for node in path]
+            known = seq.token_ids[seq.num_computed_tokens + 1 :] + [token.token_id for token in tokens]
+            observed.append(Observed(seq, seq.num_computed_tokens, hidden[kept], known, True))
+        for seq, start, end in chunks:
+            if seq not in outputs:  # a prefill chunk that does not reach the last token
                 first = seq.num_computed_tokens + 1
                 observed.append(Observed(seq, seq.num_computed_tokens, hidden[start:end], seq.token_ids[first : first + end - start], False))
-            else:
-                root = end - num_nodes - 1
-                path, tokens = self._verify(seq, seq.draft.truncated(num_nodes), self.compute_logits(hidden[root:end]))
-                self._move_kv(seq, path)
-                outputs[seq] = tokens
-                rows = list(range(start, root + 1)) + [root + 1 + node for node in path]
-                known = seq.token_ids[seq.num_computed_tokens + 1 :] + [token.token_id for token in tokens]
-                observed.append(Observed(seq, seq.num_computed_tokens, hidden[rows], known, True))
-            start = end
         self._propose(observed, outputs)
         return outputs
 
