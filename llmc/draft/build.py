@@ -18,6 +18,7 @@ from llmc.recipe import DraftConfig
 from llmc.runtime.loader import WeightLoader
 
 EAGLE_WINDOW = 128  # tokens per training window (fewer when the answers are shorter)
+DRAFT_VOCAB_FIRST_IDS = 16384  # BPE ids come roughly in merge order, the frequent tokens first
 
 
 def train_draft(artifact: Path, config: DraftConfig) -> Path:
@@ -76,7 +77,8 @@ def eagle_shape(artifact: Path, draft_vocab_size: int) -> EagleShape:
 
 def train_eagle(data: DistillSet, config: DraftConfig, folder: Path, artifact: Path) -> dict:
     """Windows of (feature at t, token t + 1) pairs; the draft learns the feature at t + 1 and the token t + 2 it
-    leads to. Only answer tokens are learned; the draft's vocabulary is the tokens the set holds."""
+    leads to. Only answer tokens are learned, with the cross-entropy over the tokens the set holds; the draft
+    guesses among those and the tokenizer's first ids."""
     embeddings = WeightLoader(artifact, torch.float32, "cpu").tensor("model.embed_tokens.weight")
     window_len = min(EAGLE_WINDOW, max(len(ids) for ids in data.token_ids) - 2)
     seqs = [(torch.tensor(ids), hidden, start) for ids, hidden, start in zip(data.token_ids, data.hidden, data.answer_starts)
@@ -86,9 +88,10 @@ def train_eagle(data: DistillSet, config: DraftConfig, folder: Path, artifact: P
     to_vocab[vocab] = torch.arange(len(vocab))
     lm_head = data.lm_head[vocab]
     noise_scale = torch.cat([hidden for _, hidden, _ in seqs]).pow(2).mean().sqrt().item()
-    shape = eagle_shape(artifact, len(vocab))
+    draft_vocab = torch.unique(torch.cat([vocab, torch.arange(min(DRAFT_VOCAB_FIRST_IDS, len(data.lm_head)))]))
+    shape = eagle_shape(artifact, len(draft_vocab))
     draft = EagleDraft(shape)
-    draft.vocab.copy_(vocab)
+    draft.vocab.copy_(draft_vocab)
     generator = torch.Generator().manual_seed(config.seed)
     num_windows = max(1, config.batch_size // window_len)
 

@@ -18,7 +18,7 @@ class EagleShape:
     intermediate_size: int
     rope_theta: float
     rms_norm_eps: float
-    draft_vocab_size: int  # the draft guesses among the tokens its training set holds: a cheaper LM head
+    draft_vocab_size: int  # the draft guesses among these many tokens: a cheaper LM head
 
 
 def rotate(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tensor:
