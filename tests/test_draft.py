@@ -8,7 +8,7 @@ from conftest import write_recipe
 from llmc.artifact.inspect import describe_artifact
 from llmc.cli import cli
 from llmc.draft.build import train_draft
-from llmc.draft.data import DistillSet, load_distill_set, save_distill_set
+from llmc.draft.data import DistillSet, cached_self_distill, load_distill_set, save_distill_set
 from llmc.draft.eagle import EagleDraft, EagleShape
 from llmc.draft.medusa import MedusaHeads, medusa_labels
 from llmc.draft.train import CHECKPOINT, TrainConfig, train
@@ -65,6 +65,7 @@ def test_recipe_draft_trains_heads_into_the_artifact(tmp_path, tiny_llama, calib
     result = json.loads(run.output)
     assert result["num_prompts"] == 2 and result["mean_accepted_length"] >= 1 and histogram.is_file()
     assert {"batch1", "concurrency2", "acceptance_per_position"} <= set(result)
+    cached_self_distill(artifact, calib_file, 6, 24)  # the heads now in the artifact do not change the cache key
     assert len(list((tmp_path / "home" / "distill").glob("*.safetensors"))) == 1
 
 

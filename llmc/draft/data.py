@@ -11,6 +11,7 @@ from safetensors.torch import load_file, save_file
 from tqdm import tqdm
 
 from llmc.artifact.writer import MANIFEST
+from llmc.draft.store import DRAFT_DIR
 from llmc.errors import LlmcError
 from llmc.models.spec import llmc_home
 from llmc.runtime.bench import load_prompts
@@ -68,6 +69,7 @@ def cached_self_distill(artifact: Path, prompts_file: Path, num_prompts: int, ma
     check_not_eval_set(prompts_file)
     manifest = json.loads((artifact / MANIFEST).read_text())
     manifest.pop("draft", None)  # the model, not the heads trained on it
+    manifest["files"] = {name: digest for name, digest in manifest.get("files", {}).items() if not name.startswith(f"{DRAFT_DIR}/")}
     key = hashlib.sha256(b"\0".join([
         json.dumps(manifest, sort_keys=True).encode(), prompts_file.read_bytes(), f"{num_prompts},{max_tokens}".encode(),
     ])).hexdigest()[:16]
