@@ -9,6 +9,20 @@ from rich.table import Table
 from llmc.errors import LlmcError
 
 console = Console()
+SPECULATIVE_SHAPE_OPTIONS = [
+    click.option("--num-speculative-tokens", type=click.IntRange(min=1), help="Draft depth (default: one per Medusa head, 5 for EAGLE)."),
+    click.option("--speculative-tree-nodes", type=click.IntRange(min=0), default=0, show_default=True,
+                 help="EAGLE: verify a tree of this many draft nodes, the most probable paths; 0 drafts a chain."),
+]
+
+
+def with_options(options: list):
+    """Several click options as one decorator."""
+    def decorate(command):
+        for option in reversed(options):
+            command = option(command)
+        return command
+    return decorate
 
 
 @click.group()
@@ -53,13 +67,15 @@ def quantize(recipe: Path, output: str | None, overrides: tuple[str, ...], overw
 @click.option("--concurrency", type=click.IntRange(min=1), default=1, show_default=True, help="With --speculative: also compare throughput with this many requests in flight.")
 @click.option("--histogram", type=click.Path(path_type=Path), help="With --speculative: the accepted-length histogram (PNG).")
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
+@with_options(SPECULATIVE_SHAPE_OPTIONS)
 def evaluate(targets: tuple[str, ...], perplexity_data: str | None, seq_len: int, max_windows: int, business: str | None,
              tasks: str | None, limit: int | None, gate: tuple[str, ...], out: Path | None, speculative: str | None,
              prompts_file: Path | None, num_prompts: int, max_tokens: int, concurrency: int, histogram: Path | None,
-             as_json: bool) -> None:
+             as_json: bool, num_speculative_tokens: int | None, speculative_tree_nodes: int) -> None:
     """Evaluate TARGETS (model specs or artifacts) side by side; the first is the baseline."""
     if speculative is not None:
-        return evaluate_speculative(targets[0], speculative, prompts_file, num_prompts, max_tokens, concurrency, histogram, as_json)
+        shape = {"num_speculative_tokens": num_speculative_tokens, "speculative_tree_nodes": speculative_tree_nodes}
+        return evaluate_speculative(targets[0], speculative, prompts_file, num_prompts, max_tokens, concurrency, histogram, as_json, shape)
     from llmc.evals.gate import GateFailed
     from llmc.evals.report import SUMMARY_COLUMNS, summary_rows, write_report
     from llmc.evals.suite import EvalTarget, evaluate_side_by_side
@@ -100,7 +116,7 @@ def _threshold(assignment: str) -> tuple[str, str]:
 
 
 def evaluate_speculative(target: str, speculative: str, prompts_file: Path | None, num_prompts: int, max_tokens: int,
-                         concurrency: int, histogram: Path | None, as_json: bool) -> None:
+                         concurrency: int, histogram: Path | None, as_json: bool, shape: dict) -> None:
     import torch
     from transformers import AutoTokenizer
 
@@ -115,7 +131,7 @@ def evaluate_speculative(target: str, speculative: str, prompts_file: Path | Non
         raise LlmcError(f"{target} has no draft heads; train them with `llmc train-draft {target}` or pass their folder")
     tokenizer = AutoTokenizer.from_pretrained(resolve_model(target))
     prompts = list(dict.fromkeys(load_prompts(prompts_file, num_prompts, tokenizer, chat_template=True, shared_prefix_tokens=0)))
-    result = speculative_eval(target, draft, prompts, max_tokens, concurrency, torch.bfloat16)
+    result = speculative_eval(target, draft, prompts, max_tokens, concurrency, torch.bfloat16, shape)
     if histogram:
         plot_accepted_lengths(result["accepted_length_histogram"], histogram, f"{target}: accepted length")
     if as_json:
@@ -183,10 +199,9 @@ def engine_options(command):
                      help="Draft heads to decode with: auto uses the artifact's draft/ when it has one."),
         click.option("--speculative-max-num-seqs", type=click.IntRange(min=0), default=4, show_default=True,
                      help="Decode without drafts when more sequences than this run at once."),
+        *SPECULATIVE_SHAPE_OPTIONS,
     ]
-    for option in reversed(options):
-        command = option(command)
-    return command
+    return with_options(options)(command)
 
 
 def require_serve_extra() -> None:
@@ -209,7 +224,8 @@ def draft_folder(model: str, speculative: str) -> Path | None:
 
 
 def build_engine(model: str, dtype: str, kv_cache_gib: float, max_num_seqs: int, max_num_batched_tokens: int,
-                 max_model_len: int | None, no_prefix_caching: bool, speculative: str = "off", speculative_max_num_seqs: int = 4):
+                 max_model_len: int | None, no_prefix_caching: bool, speculative: str = "off", speculative_max_num_seqs: int = 4,
+                 num_speculative_tokens: int | None = None, speculative_tree_nodes: int = 0):
     import torch
 
     from llmc.runtime.config import EngineConfig
@@ -219,6 +235,7 @@ def build_engine(model: str, dtype: str, kv_cache_gib: float, max_num_seqs: int,
         dtype=getattr(torch, dtype), kv_cache_gib=kv_cache_gib, max_num_seqs=max_num_seqs,
         max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len, enable_prefix_caching=not no_prefix_caching,
         speculative=draft_folder(model, speculative), speculative_max_num_seqs=speculative_max_num_seqs,
+        num_speculative_tokens=num_speculative_tokens, speculative_tree_nodes=speculative_tree_nodes,
     )
     return LLMEngine(model, config)
 

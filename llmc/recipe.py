@@ -202,13 +202,13 @@ class ExportConfig(StrictModel):
 class DraftConfig(StrictModel):
     """Draft heads trained on the quantized model, by self-distillation on `prompts` (never the evaluation set)."""
 
-    method: Literal["medusa"] = "medusa"
-    num_heads: int = Field(4, gt=0, le=8)
+    method: Literal["medusa", "eagle"] = "medusa"
+    num_heads: int = Field(4, gt=0, le=8)  # Medusa heads
     prompts: str = "calib_data/smollm2_self_generated.jsonl"
     num_prompts: int = Field(128, gt=0)
     max_tokens: int = Field(256, gt=0)  # answer length generated per prompt
     steps: int = Field(300, gt=0)
-    batch_size: int = Field(128, gt=0)
+    batch_size: int = Field(128, gt=0)  # rows (tokens) per step; EAGLE takes them as windows of 128 tokens
     lr: float = Field(1e-3, gt=0)
     seed: int = 0
 

@@ -8,6 +8,8 @@ from conftest import write_recipe
 from llmc.artifact.inspect import describe_artifact
 from llmc.cli import cli
 from llmc.draft.build import train_draft
+from llmc.draft.data import DistillSet, cached_self_distill, load_distill_set, save_distill_set
+from llmc.draft.eagle import EagleDraft, EagleShape
 from llmc.draft.medusa import MedusaHeads, medusa_labels
 from llmc.draft.train import CHECKPOINT, TrainConfig, train
 from llmc.errors import LlmcError
@@ -45,14 +47,16 @@ def test_training_resumes_from_its_checkpoint(tmp_path):
     assert (tmp_path / "loss.png").is_file() and not (tmp_path / CHECKPOINT).exists()
 
 
-def test_recipe_draft_trains_heads_into_the_artifact(tmp_path, tiny_llama, calib_file):
+@pytest.mark.parametrize("method", ["medusa", "eagle"])
+def test_recipe_draft_trains_heads_into_the_artifact(tmp_path, tiny_llama, calib_file, monkeypatch, method):
+    monkeypatch.setenv("LLMC_HOME", str(tmp_path / "home"))  # the distillation cache
     recipe = write_recipe(tmp_path / "r.yaml", tiny_llama, tmp_path / "out", STAGE, calib_file)
-    recipe.write_text(recipe.read_text() + f"draft:\n  prompts: {calib_file}\n  num_prompts: 6\n  max_tokens: 24\n"
-                      "  num_heads: 2\n  steps: 30\n  batch_size: 32\n")
+    recipe.write_text(recipe.read_text() + f"draft:\n  method: {method}\n  prompts: {calib_file}\n  num_prompts: 6\n"
+                      "  max_tokens: 24\n  num_heads: 2\n  steps: 30\n  batch_size: 32\n")
     artifact = run_quantize(load_recipe(recipe, ["calibration.num_samples=2"]))
     assert {path.name for path in (artifact / "draft").iterdir()} == {"config.json", "heads.safetensors", "loss.png"}
     info = describe_artifact(artifact)
-    assert info["draft"]["num_heads"] == 2 and info["draft"]["trained_on"]["num_answers"] == 4
+    assert info["draft"]["method"] == method and info["draft"]["trained_on"]["num_answers"] == 4
     assert "draft/heads.safetensors" in info["manifest"]["files"]
     histogram = tmp_path / "accepted.png"
     run = CliRunner().invoke(cli, ["eval", str(artifact), "--speculative", "auto", "--prompts", str(calib_file), "--num-prompts", "2",
@@ -61,6 +65,35 @@ def test_recipe_draft_trains_heads_into_the_artifact(tmp_path, tiny_llama, calib
     result = json.loads(run.output)
     assert result["num_prompts"] == 2 and result["mean_accepted_length"] >= 1 and histogram.is_file()
     assert {"batch1", "concurrency2", "acceptance_per_position"} <= set(result)
+    cached_self_distill(artifact, calib_file, 6, 24)  # the heads now in the artifact do not change the cache key
+    assert len(list((tmp_path / "home" / "distill").glob("*.safetensors"))) == 1
+
+
+def test_distillation_set_round_trips_through_safetensors(tmp_path):
+    hidden = [torch.randn(4, 8).bfloat16().float(), torch.randn(2, 8).bfloat16().float()]
+    data = DistillSet([[1, 2, 3, 4, 5], [6, 7, 8]], hidden, [2, 1], torch.randn(16, 8).bfloat16().float().T.contiguous().T)
+    save_distill_set(data, tmp_path / "set.safetensors")
+    loaded = load_distill_set(tmp_path / "set.safetensors")
+    assert loaded.token_ids == data.token_ids and loaded.answer_starts == data.answer_starts
+    assert all(torch.equal(a, b) for a, b in zip(loaded.hidden, data.hidden)) and torch.equal(loaded.lm_head, data.lm_head)
+
+
+def test_eagle_draft_learns_to_predict_the_next_feature(tmp_path):
+    torch.manual_seed(0)
+    shape = EagleShape(hidden_size=16, num_heads=2, num_kv_heads=1, intermediate_size=32, rope_theta=10000.0, rms_norm_eps=1e-6,
+                       draft_vocab_size=10)
+    features = torch.randn(2, 12, 16)
+    embeddings, positions = torch.randn(2, 12, 16), torch.arange(12).expand(2, 12)
+    targets, labels, lm_head = features.roll(-1, 1), torch.randint(0, 10, (2, 12)), torch.randn(10, 16)
+    draft = EagleDraft(shape)
+    losses = train(draft, lambda step: draft.loss(features, embeddings, positions, targets, labels, lm_head, 1.0),
+                   TrainConfig(steps=60, lr=1e-2), tmp_path, "eagle")
+    assert losses[-1] < 0.5 * losses[0]
+    causal = torch.ones(12, 12, dtype=torch.bool).tril()
+    full, _, _ = draft(features, embeddings, positions, causal)
+    first, keys, values = draft(features[:, :5], embeddings[:, :5], positions[:, :5], causal[:5, :5])
+    rest, _, _ = draft(features[:, 5:], embeddings[:, 5:], positions[:, 5:], causal[5:], (keys, values))
+    assert torch.allclose(torch.cat([first, rest], 1), full, atol=1e-5)  # incremental with cached keys = all at once
 
 
 def test_train_draft_needs_an_artifact_and_valid_settings(tmp_path):

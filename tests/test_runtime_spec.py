@@ -4,22 +4,56 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
-from llmc.draft.build import train_medusa
-from llmc.draft.data import self_distill
+from llmc.draft.build import train_eagle, train_medusa
+from llmc.draft.data import DistillSet, self_distill
 from llmc.recipe import DraftConfig
 from llmc.runtime.config import EngineConfig
 from llmc.runtime.engine import LLMEngine
 from llmc.runtime.sampling_params import SamplingParams
 from llmc.runtime.spec.acceptance import greedy_accept, rejection_sample
+from llmc.runtime.spec.proposers import most_probable_nodes
+from llmc.runtime.spec.tree import DraftTree
 
 
 @pytest.fixture(scope="module")
-def trained(tmp_path_factory, tiny_llama, calib_file) -> tuple[Path, list[list[int]]]:
+def distilled(tiny_llama, calib_file) -> DistillSet:
+    return self_distill(tiny_llama, calib_file, 6, 24)
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory, distilled) -> tuple[Path, list[list[int]]]:
     """Heads trained on the tiny model's own answers, and the prompts (as token ids) they were trained on."""
     folder = tmp_path_factory.mktemp("draft")
-    data = self_distill(tiny_llama, calib_file, 6, 24)
-    train_medusa(data, DraftConfig(num_heads=3, steps=150, batch_size=64, lr=1e-2), folder)
-    return folder, [ids[:start] for ids, start in zip(data.token_ids, data.answer_starts)]
+    train_medusa(distilled, DraftConfig(num_heads=3, steps=150, batch_size=64, lr=1e-2), folder)
+    return folder, [ids[:start] for ids, start in zip(distilled.token_ids, distilled.answer_starts)]
+
+
+@pytest.fixture(scope="module")
+def trained_eagle(tmp_path_factory, tiny_llama, distilled, trained) -> Path:
+    folder = tmp_path_factory.mktemp("eagle")
+    train_eagle(distilled, DraftConfig(method="eagle", steps=150, batch_size=64, lr=3e-3), folder, tiny_llama)
+    return folder
+
+
+@pytest.mark.parametrize("tree_nodes", [0, 8], ids=["chain", "tree"])
+@pytest.mark.parametrize("max_num_seqs, max_num_batched_tokens", [(1, 512), (4, 7)])
+def test_eagle_greedy_output_equals_plain_decoding(tiny_llama, trained, trained_eagle, tree_nodes, max_num_seqs, max_num_batched_tokens):
+    _, prompts = trained
+    params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+    limits = dict(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens)
+    plain = build(tiny_llama, **limits).generate(prompts, params)
+    engine = build(tiny_llama, speculative=trained_eagle, num_speculative_tokens=3, speculative_tree_nodes=tree_nodes, **limits)
+    speculative = engine.generate(prompts, params)
+    assert [out["token_ids"] for out in speculative] == [out["token_ids"] for out in plain]
+    stats = engine.runner.speculator.stats
+    assert stats.num_drafts > 0 and stats.mean_accepted_length > 1.2
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+
+
+def test_eagle_tree_keeps_the_most_probable_paths():
+    tree = DraftTree([1, 2, 3, 4, 5], [-1, -1, 0, 0, 1])
+    kept = most_probable_nodes(tree, [-0.1, -1.0, -0.3, -2.0, -1.5], 3)
+    assert kept == DraftTree([1, 2, 3], [-1, -1, 0])
 
 
 def build(model: Path, **kwargs) -> LLMEngine:
@@ -48,38 +82,45 @@ def test_speculation_turns_off_under_load(tiny_llama, trained):
     assert engine.runner.speculator.stats.num_drafts == 0
 
 
-def test_sampled_speculative_decoding_is_reproducible_with_a_seed(tiny_llama, trained):
+@pytest.mark.parametrize("method", ["medusa", "eagle tree"])
+def test_sampled_speculative_decoding_is_reproducible_with_a_seed(tiny_llama, trained, trained_eagle, method):
+    """Rejection sampling draws as many numbers as the drafts ask for, so a seed reproduces the output when the
+    drafts are the same: EAGLE's depend on the features it saw, and a prefix-cache hit hides the prompt's."""
     draft, prompts = trained
-    engine = build(tiny_llama, speculative=draft)
+    engine = build(tiny_llama, speculative=draft) if method == "medusa" else build(
+        tiny_llama, speculative=trained_eagle, num_speculative_tokens=3, speculative_tree_nodes=8, enable_prefix_caching=False)
     params = SamplingParams(temperature=0.8, top_k=20, max_tokens=16, seed=3, logprobs=2)
     first, second = engine.generate(prompts[:1], params), engine.generate(prompts[:1], params)
     assert first[0]["token_ids"] == second[0]["token_ids"] and len(first[0]["token_ids"]) == 16
     assert len(first[0]["logprobs"]) == 16 and engine.runner.speculator.stats.num_drafts > 0
 
 
-def test_greedy_accept_takes_the_longest_matching_prefix():
-    assert greedy_accept([5, 6, 7, 8], [5, 6, 9]) == 2
-    assert greedy_accept([5, 6, 7, 8], [5, 6, 7]) == 3
-    assert greedy_accept([5], []) == 0
+def test_greedy_accept_follows_the_targets_choices_down_the_tree():
+    chain = DraftTree.chain([5, 6, 9])
+    assert greedy_accept([5, 6, 7, 8], chain) == [0, 1]
+    assert greedy_accept([5, 6, 9, 8], chain) == [0, 1, 2]
+    assert greedy_accept([5], DraftTree()) == []
+    tree = DraftTree([4, 5, 7, 6], [-1, -1, 0, 1])  # 4 -> 7 and 5 -> 6
+    assert greedy_accept([5, 7, 6, 0, 1], tree) == [1, 3]
+    assert tree.depths == [1, 1, 2, 2] and tree.path(3) == [1, 3] and not tree.is_chain
 
 
-@pytest.mark.parametrize("deterministic_draft", [False, True])
-def test_rejection_sampling_follows_the_target_distribution(deterministic_draft):
+@pytest.mark.parametrize("tree", [DraftTree.chain([0, 1]), DraftTree([2, 0, 1, 3], [-1, -1, 0, 1])], ids=["chain", "tree"])
+def test_rejection_sampling_follows_the_target_distribution(tree):
+    """Whatever the drafts, the first token follows the target's row 0 and, given the first, the second follows the
+    row of the node that holds the first (or row 0's distribution again when no node does: not tested here)."""
     generator = torch.Generator().manual_seed(0)
     vocab, num_draws = 6, 8000
-    target = (torch.randn(3, vocab, generator=generator) * 1.5).softmax(-1)
-    draft = (torch.randn(2, vocab, generator=generator) * 1.5).softmax(-1)
-    if deterministic_draft:  # the engine's case: heads propose their top-1 guess
-        draft = torch.nn.functional.one_hot(draft.argmax(-1), vocab).float()
+    target = (torch.randn(1 + len(tree), vocab, generator=generator) * 1.5).softmax(-1)
     first, second = torch.zeros(vocab), torch.zeros(vocab)
     for _ in range(num_draws):
-        proposals = [int(torch.multinomial(row, 1, generator=generator)) for row in draft]
-        tokens = rejection_sample(target, proposals, draft, generator)
+        path, last = rejection_sample(target, tree, generator)
+        tokens = [tree.tokens[node] for node in path] + [last]
         first[tokens[0]] += 1
-        if len(tokens) > 1:  # the first draft was kept: the second token follows the next target row
+        if path and path[0] == 0:  # the second token is drawn after node 0
             second[tokens[1]] += 1
     assert chisquare(first, target[0] * num_draws).pvalue > 1e-3
-    assert chisquare(second, target[1] * second.sum()).pvalue > 1e-3
+    assert chisquare(second, target[1] * second.sum()).pvalue > 1e-3 and second.sum() > 100
 
 
 def test_metrics_expose_acceptance(tiny_llama, trained):

@@ -67,9 +67,11 @@ def print_artifact(info: dict, console: Console) -> None:
     draft = info["draft"]
     if draft:
         train = draft["train"]
-        console.print(f"draft heads: {draft['num_heads']} x {draft['method']} in draft/, trained {train['steps']} steps on "
+        heads = f"{draft['num_heads']} x medusa" if draft["method"] == "medusa" else draft["method"]
+        top1 = train.get("train_top1_per_head") or [train["train_top1"]]
+        console.print(f"draft heads: {heads} in draft/, trained {train['steps']} steps on "
                       f"{draft['trained_on']['answer_tokens']} self-distilled tokens ({draft['trained_on']['prompts']}); "
-                      f"train top-1 per head {', '.join(f'{value:.2f}' for value in train['train_top1_per_head'])}")
+                      f"train top-1 {', '.join(f'{value:.2f}' for value in top1)}")
     else:
         console.print("draft heads: none (`llmc train-draft ARTIFACT` adds them)")
     console.print(f"files: {len(manifest['files'])} with SHA-256 in llmc.json")

@@ -1,27 +1,37 @@
 """`llmc train-draft`: self-distil the artifact's model, train draft heads on it, and store them in ARTIFACT/draft."""
 import json
+from dataclasses import asdict
 import time
 from pathlib import Path
 
 import torch
+from transformers import AutoConfig
 
 from llmc.artifact.writer import MANIFEST, write_manifest
-from llmc.draft.data import DistillSet, self_distill
+from llmc.draft.data import DistillSet, cached_self_distill
+from llmc.draft.eagle import EagleDraft, EagleShape
 from llmc.draft.medusa import MedusaHeads, medusa_labels
 from llmc.draft.store import DRAFT_DIR, save_draft, save_heads
 from llmc.draft.train import TrainConfig, train
 from llmc.errors import LlmcError
 from llmc.recipe import DraftConfig
+from llmc.runtime.loader import WeightLoader
+
+EAGLE_WINDOW = 128  # tokens per training window (fewer when the answers are shorter)
+DRAFT_VOCAB_FIRST_IDS = 16384  # BPE ids come roughly in merge order, the frequent tokens first
 
 
 def train_draft(artifact: Path, config: DraftConfig) -> Path:
     if not (artifact / MANIFEST).is_file():
         raise LlmcError(f"{artifact} is not an llmc artifact (no {MANIFEST})")
     started = time.perf_counter()
-    data = self_distill(artifact, Path(config.prompts), config.num_prompts, config.max_tokens)
+    data = cached_self_distill(artifact, Path(config.prompts), config.num_prompts, config.max_tokens)
     distill_s = time.perf_counter() - started
     folder = artifact / DRAFT_DIR
-    summary = train_medusa(data, config, folder)
+    if config.method == "eagle":
+        summary = train_eagle(data, config, folder, artifact)
+    else:
+        summary = train_medusa(data, config, folder)
     summary["train"] |= {"distill_s": round(distill_s, 1), "total_s": round(time.perf_counter() - started, 1)}
     save_draft(folder, summary)
     manifest = json.loads((artifact / MANIFEST).read_text())
@@ -53,5 +63,66 @@ def train_medusa(data: DistillSet, config: DraftConfig, folder: Path) -> dict:
                   "train_top1_per_head": [round(value, 4) for value in top1.tolist()]},
     }
     save_heads(folder, heads)
+    save_draft(folder, summary)
+    return summary
+
+
+def eagle_shape(artifact: Path, draft_vocab_size: int) -> EagleShape:
+    """The draft layer takes the target's own layer sizes."""
+    hf = AutoConfig.from_pretrained(artifact)
+    rope_theta = (getattr(hf, "rope_parameters", None) or {}).get("rope_theta") or getattr(hf, "rope_theta", 10000.0)
+    return EagleShape(hf.hidden_size, hf.num_attention_heads, hf.num_key_value_heads, hf.intermediate_size, rope_theta,
+                      hf.rms_norm_eps, draft_vocab_size)
+
+
+def train_eagle(data: DistillSet, config: DraftConfig, folder: Path, artifact: Path) -> dict:
+    """Windows of (feature at t, token t + 1) pairs; the draft learns the feature at t + 1 and the token t + 2 it
+    leads to. Only answer tokens are learned, with the cross-entropy over the tokens the set holds; the draft
+    guesses among those and the tokenizer's first ids."""
+    embeddings = WeightLoader(artifact, torch.float32, "cpu").tensor("model.embed_tokens.weight")
+    window_len = min(EAGLE_WINDOW, max(len(ids) for ids in data.token_ids) - 2)
+    seqs = [(torch.tensor(ids), hidden, start) for ids, hidden, start in zip(data.token_ids, data.hidden, data.answer_starts)
+            if len(ids) >= window_len + 2 and start + 1 < len(ids)]
+    vocab = torch.unique(torch.cat([ids for ids, _, _ in seqs]))
+    to_vocab = torch.full((len(data.lm_head),), -100, dtype=torch.long)
+    to_vocab[vocab] = torch.arange(len(vocab))
+    lm_head = data.lm_head[vocab]
+    noise_scale = torch.cat([hidden for _, hidden, _ in seqs]).pow(2).mean().sqrt().item()
+    draft_vocab = torch.unique(torch.cat([vocab, torch.arange(min(DRAFT_VOCAB_FIRST_IDS, len(data.lm_head)))]))
+    shape = eagle_shape(artifact, len(draft_vocab))
+    draft = EagleDraft(shape)
+    draft.vocab.copy_(draft_vocab)
+    generator = torch.Generator().manual_seed(config.seed)
+    num_windows = max(1, config.batch_size // window_len)
+
+    def window(ids: torch.Tensor, hidden: torch.Tensor, answer_start: int) -> tuple[torch.Tensor, ...]:
+        first = max(0, min(answer_start - 2 - window_len // 4, len(ids) - window_len - 2))
+        start = int(torch.randint(first, len(ids) - window_len - 1, (), generator=generator))
+        end = start + window_len
+        labels = torch.where(torch.arange(start + 2, end + 2) >= answer_start, to_vocab[ids[start + 2 : end + 2]], -100)
+        return hidden[start:end], embeddings[ids[start + 1 : end + 1]], torch.arange(start, end), hidden[start + 1 : end + 1], labels
+
+    def batch() -> list[torch.Tensor]:
+        picks = torch.randint(len(seqs), (num_windows,), generator=generator).tolist()
+        return [torch.stack(parts) for parts in zip(*(window(*seqs[index]) for index in picks))]
+
+    def loss_fn(step: int) -> torch.Tensor:
+        return draft.loss(*batch(), lm_head, noise_scale)
+
+    train_config = TrainConfig(steps=config.steps, lr=config.lr, seed=config.seed)
+    losses = train(draft, loss_fn, train_config, folder, "eagle draft")
+    with torch.no_grad():
+        features, embedded, positions, _, labels = batch()
+        causal = torch.ones(window_len, window_len, dtype=torch.bool).tril()
+        guesses = (draft(features, embedded, positions, causal)[0] @ lm_head.T).argmax(-1)
+        valid = labels != -100
+        top1 = ((guesses == labels) & valid).sum().item() / max(1, valid.sum().item())
+    summary = {
+        "method": "eagle", "hidden_size": shape.hidden_size, "shape": asdict(shape),
+        "trained_on": {"prompts": config.prompts, "num_answers": len(data.token_ids), "answer_tokens": data.num_answer_tokens},
+        "train": {"steps": config.steps, "batch_size": num_windows * window_len, "lr": config.lr, "final_loss": losses[-1],
+                  "train_top1": round(top1, 4)},
+    }
+    save_heads(folder, draft)
     save_draft(folder, summary)
     return summary

@@ -1,13 +1,19 @@
 """Self-distillation: the quantized target answers the training prompts with the runtime engine (greedy, as it
-will be served), then reads each prompt + answer once more to give the hidden states the heads learn from."""
+will be served), then reads each prompt + answer once more to give the hidden states the heads learn from. The set
+is cached (safetensors) under LLMC_HOME/distill, keyed by the artifact, the prompts and the lengths."""
+import hashlib
 import json
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from safetensors.torch import load_file, save_file
 from tqdm import tqdm
 
+from llmc.artifact.writer import MANIFEST
+from llmc.draft.store import DRAFT_DIR
 from llmc.errors import LlmcError
+from llmc.models.spec import llmc_home
 from llmc.runtime.bench import load_prompts
 from llmc.runtime.config import EngineConfig
 from llmc.runtime.engine import LLMEngine
@@ -57,3 +63,43 @@ def self_distill(artifact: Path, prompts_file: Path, num_prompts: int, max_token
         data.token_ids.append(seq.token_ids)
         data.answer_starts.append(answered.num_prompt_tokens)
     return data
+
+
+def cached_self_distill(artifact: Path, prompts_file: Path, num_prompts: int, max_tokens: int) -> DistillSet:
+    check_not_eval_set(prompts_file)
+    manifest = json.loads((artifact / MANIFEST).read_text())
+    manifest.pop("draft", None)  # the model, not the heads trained on it
+    manifest["files"] = {name: digest for name, digest in manifest.get("files", {}).items() if not name.startswith(f"{DRAFT_DIR}/")}
+    key = hashlib.sha256(b"\0".join([
+        json.dumps(manifest, sort_keys=True).encode(), prompts_file.read_bytes(), f"{num_prompts},{max_tokens}".encode(),
+    ])).hexdigest()[:16]
+    path = llmc_home() / "distill" / f"{key}.safetensors"
+    if path.is_file():
+        return load_distill_set(path)
+    data = self_distill(artifact, prompts_file, num_prompts, max_tokens)
+    save_distill_set(data, path)
+    return data
+
+
+def save_distill_set(data: DistillSet, path: Path) -> None:
+    """Hidden states are stored in bfloat16, the runtime's dtype; the float32 copies hold nothing more."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tensors = {
+        "token_ids": torch.tensor([token for ids in data.token_ids for token in ids]),
+        "lengths": torch.tensor([len(ids) for ids in data.token_ids]),
+        "answer_starts": torch.tensor(data.answer_starts),
+        "hidden": torch.cat(data.hidden).bfloat16(),
+        "lm_head": data.lm_head.bfloat16().contiguous(),
+    }
+    save_file(tensors, path)
+
+
+def load_distill_set(path: Path) -> DistillSet:
+    tensors = load_file(path)
+    lengths = tensors["lengths"].tolist()
+    return DistillSet(
+        token_ids=[ids.tolist() for ids in tensors["token_ids"].split(lengths)],
+        hidden=list(tensors["hidden"].float().split([length - 1 for length in lengths])),
+        answer_starts=tensors["answer_starts"].tolist(),
+        lm_head=tensors["lm_head"].float(),
+    )

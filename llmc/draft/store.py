@@ -7,6 +7,7 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from llmc.errors import LlmcError
+from llmc.draft.eagle import EagleDraft, EagleShape
 from llmc.draft.medusa import MedusaHeads
 
 DRAFT_DIR = "draft"
@@ -31,8 +32,11 @@ def read_draft_config(folder: Path) -> dict:
 
 def load_draft(folder: Path, dtype: torch.dtype, device: str) -> tuple[dict, nn.Module]:
     config = read_draft_config(folder)
-    if config.get("method") != "medusa":
+    if config.get("method") == "medusa":
+        heads = MedusaHeads(config["hidden_size"], config["num_heads"])
+    elif config.get("method") == "eagle":
+        heads = EagleDraft(EagleShape(**config["shape"]))
+    else:
         raise LlmcError(f"{folder}: unknown draft method {config.get('method')!r}")
-    heads = MedusaHeads(config["hidden_size"], config["num_heads"])
     heads.load_state_dict(load_file(folder / WEIGHTS))
     return config, heads.to(device, dtype).eval()

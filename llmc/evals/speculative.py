@@ -19,10 +19,12 @@ def timed_generate(engine: LLMEngine, prompts: list[str], params: SamplingParams
     return [output["token_ids"] for output in outputs], time.perf_counter() - started
 
 
-def speculative_eval(model: str, draft: Path, prompts: list[str], max_tokens: int, concurrency: int, dtype: torch.dtype) -> dict:
+def speculative_eval(model: str, draft: Path, prompts: list[str], max_tokens: int, concurrency: int, dtype: torch.dtype,
+                     shape: dict | None = None) -> dict:
+    """shape: EngineConfig's num_speculative_tokens and speculative_tree_nodes."""
     settings = dict(dtype=dtype, max_num_seqs=max(concurrency, 1), enable_prefix_caching=False)
     plain = LLMEngine(model, EngineConfig(**settings))
-    speculative = LLMEngine(model, EngineConfig(**settings, speculative=draft))
+    speculative = LLMEngine(model, EngineConfig(**settings, speculative=draft, **(shape or {})))
     params = SamplingParams(temperature=0, max_tokens=max_tokens)
     for engine in (plain, speculative):  # warm-up
         engine.generate(prompts[:1], SamplingParams(temperature=0, max_tokens=8))

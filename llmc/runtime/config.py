@@ -17,5 +17,6 @@ class EngineConfig:
     device: str = "cpu"
     enforce_eager: bool = False  # CUDA: run decode steps eagerly instead of replaying captured CUDA graphs
     speculative: Path | None = None  # a draft folder (config.json + heads) to propose tokens with
-    num_speculative_tokens: int | None = None  # None: one per draft head
+    num_speculative_tokens: int | None = None  # draft depth; None: one per Medusa head, 5 for EAGLE
+    speculative_tree_nodes: int = 0  # EAGLE: verify a tree of this many nodes, the most probable paths; 0: a chain
     speculative_max_num_seqs: int = 4  # above this many sequences in a step, decode without drafts

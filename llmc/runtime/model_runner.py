@@ -5,7 +5,7 @@ import torch
 from llmc.errors import LlmcError
 from llmc.runtime.config import EngineConfig
 from llmc.runtime.cuda_graphs import DecodeGraphs
-from llmc.runtime.layers.attention import AttentionMetadata
+from llmc.runtime.layers.attention import AttentionMetadata, DecodeGroup
 from llmc.runtime.layers.sampler import SampledToken, sample
 from llmc.runtime.loader import WeightLoader
 from llmc.runtime.models.llama import LlamaForCausalLM
@@ -56,7 +56,7 @@ class ModelRunner:
         if config.speculative is not None:
             from llmc.runtime.spec.decoder import SpeculativeDecoder
 
-            self.speculator = SpeculativeDecoder(config.speculative, self.model, config, hf_config.hidden_size, self.max_model_len)
+            self.speculator = SpeculativeDecoder(config.speculative, self, config)
         self.graphs = None
         if use_graphs:
             max_blocks = -(-self.max_model_len // config.block_size)
@@ -64,28 +64,60 @@ class ModelRunner:
         logger.info("KV cache: %d blocks of %d tokens; max model length %d", self.num_blocks, self.block_size, self.max_model_len)
 
     def _prepare(self, seqs: list[Sequence]) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
-        input_ids, positions, slot_mapping, seq_lens = [], [], [], []
+        input_ids, positions, slot_mapping, seq_lens, query_lens, group_seqs = [], [], [], [], [], []
         for seq in seqs:
             start, end = seq.num_computed_tokens, seq.num_computed_tokens + seq.num_scheduled_tokens
-            input_ids += seq.token_ids[start:end] + seq.draft_token_ids[: max(0, end - len(seq))]
-            positions += range(start, end)
-            slot_mapping += [seq.block_table[p // self.block_size] * self.block_size + p % self.block_size for p in range(start, end)]
-            seq_lens.append(end)
+            tree = seq.draft.truncated(max(0, end - len(seq)))
+            input_ids += seq.token_ids[start : end - len(tree)] + tree.tokens
+            positions += list(range(start, end - len(tree))) + [len(seq) - 1 + depth for depth in tree.depths]
+            slot_mapping += self._slots(seq, list(range(start, end)))
+            if len(tree):  # one-token groups: the last token, then every node (cache position len(seq) + node)
+                seq_lens += range(start + 1, end + 1)
+                query_lens += [1] * (end - start)
+                group_seqs += [seq] * (end - start)
+            else:
+                seq_lens.append(end)
+                query_lens.append(end - start)
+                group_seqs.append(seq)
         max_blocks = max(len(seq.block_table) for seq in seqs)
-        block_tables = [seq.block_table + [0] * (max_blocks - len(seq.block_table)) for seq in seqs]
+        block_tables = [seq.block_table + [0] * (max_blocks - len(seq.block_table)) for seq in group_seqs]
 
         def tensor(values: list[int]) -> torch.Tensor:
             return torch.tensor(values, dtype=torch.long, device=self.device)
 
+        num_decodes = next((index for index, length in enumerate(query_lens) if length != 1), len(query_lens))
+        verifying = any(len(seq.draft) for seq in seqs)
+        decode_seqs = list(dict.fromkeys(group_seqs[:num_decodes]))
         metadata = AttentionMetadata(
             slot_mapping=tensor(slot_mapping),
             block_tables=tensor(block_tables),
             context_lens=tensor(seq_lens),
             seq_lens=seq_lens,
-            query_lens=[seq.num_scheduled_tokens for seq in seqs],
-            num_decodes=sum(seq.num_scheduled_tokens == 1 for seq in seqs),
+            query_lens=query_lens,
+            num_decodes=num_decodes,
+            decode_groups=[self._decode_group(seq) for seq in decode_seqs] if verifying else None,
         )
         return tensor(input_ids), tensor(positions), metadata
+
+    def _decode_group(self, seq: Sequence) -> DecodeGroup:
+        """The last token, then every draft node, at cache position len(seq) + node; a node on the chain from the
+        last token attends to a plain prefix, the others to the prefix of real tokens plus their ancestors."""
+        end = seq.num_computed_tokens + seq.num_scheduled_tokens
+        tree = seq.draft.truncated(max(0, end - len(seq)))
+        prefix_lens, branches = [end - len(tree)], [[]]
+        for node in range(len(tree)):
+            path = tree.path(node)
+            on_chain = path == list(range(node + 1))
+            prefix_lens.append(len(seq) + node + 1 if on_chain else len(seq))
+            branches.append([] if on_chain else [len(seq) + ancestor for ancestor in path])
+        return DecodeGroup(self._padded_slots(seq, end), prefix_lens, branches)
+
+    def _padded_slots(self, seq: Sequence, num_positions: int) -> torch.Tensor:
+        padded = -(-num_positions // self.block_size) * self.block_size
+        return torch.tensor(self._slots(seq, list(range(num_positions))) + [0] * (padded - num_positions), device=self.device)
+
+    def _slots(self, seq: Sequence, positions: list[int]) -> list[int]:
+        return [seq.block_table[p // self.block_size] * self.block_size + p % self.block_size for p in positions]
 
     @torch.inference_mode()
     def forward(self, seqs: list[Sequence]) -> torch.Tensor:
@@ -99,21 +131,18 @@ class ModelRunner:
     def run(self, seqs: list[Sequence]) -> dict[Sequence, list[SampledToken]]:
         """Compute the scheduled tokens of every sequence; sample for those whose scheduled chunk reaches their last
         token: one token, or with a speculator the accepted drafts plus one."""
-        seqs = sorted(seqs, key=lambda seq: seq.num_scheduled_tokens != 1)  # decodes first
+        seqs = sorted(seqs, key=lambda seq: seq.num_uncomputed_tokens > 1)  # decodes (with their drafts) first
         hidden = self.forward(seqs)
-        rows, sampling_seqs, num_rows, end = [], [], [], 0
+        if self.speculator is not None:
+            return self.speculator.step(seqs, hidden)
+        rows, sampling_seqs, end = [], [], 0
         for seq in seqs:
             end += seq.num_scheduled_tokens
-            num_drafts = seq.num_computed_tokens + seq.num_scheduled_tokens - len(seq)
-            if num_drafts >= 0:
-                rows += range(end - num_drafts - 1, end)
+            if seq.num_computed_tokens + seq.num_scheduled_tokens == len(seq):
+                rows.append(end - 1)
                 sampling_seqs.append(seq)
-                num_rows.append(num_drafts + 1)
         if not sampling_seqs:
             return {}
-        hidden = hidden[torch.tensor(rows, device=self.device)]
-        logits = self.model.compute_logits(hidden)
-        if self.speculator is not None:
-            return self.speculator.accept(sampling_seqs, hidden, logits, num_rows)
+        logits = self.model.compute_logits(hidden[torch.tensor(rows, device=self.device)])
         tokens = sample(logits, [seq.params for seq in sampling_seqs], [seq.generator for seq in sampling_seqs])
         return {seq: [token] for seq, token in zip(sampling_seqs, tokens)}

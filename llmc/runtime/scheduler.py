@@ -3,6 +3,7 @@ from collections import Counter, deque
 from llmc.runtime.block_manager import BlockManager
 from llmc.runtime.config import EngineConfig
 from llmc.runtime.sequence import Sequence, SequenceStatus
+from llmc.runtime.spec.tree import DraftTree
 
 
 class Scheduler:
@@ -31,7 +32,7 @@ class Scheduler:
         index = 0
         while index < len(self.running) and budget:
             seq = self.running[index]
-            num_tokens = min(seq.num_uncomputed_tokens + len(seq.draft_token_ids), budget)
+            num_tokens = min(seq.num_uncomputed_tokens + len(seq.draft), budget)
             while not self.block_manager.ensure_blocks(seq, seq.num_computed_tokens + num_tokens):
                 preempted = True
                 if self.preempt(self.running[-1]) is seq:
@@ -54,8 +55,10 @@ class Scheduler:
         return scheduled
 
     def preempt(self, seq: Sequence) -> Sequence:
-        """Free a running sequence's blocks and requeue it first: its tokens are recomputed when it returns."""
+        """Free a running sequence's blocks and requeue it first: its tokens are recomputed when it returns, without
+        drafts, so that verification rows always follow a sequence's last token as one-token decodes."""
         self.running.remove(seq)
+        seq.draft = DraftTree()
         self.block_manager.free(seq)
         seq.status = SequenceStatus.WAITING
         self.waiting.appendleft(seq)

@@ -5,6 +5,7 @@ from enum import Enum, auto
 import torch
 
 from llmc.runtime.sampling_params import SamplingParams
+from llmc.runtime.spec.tree import DraftTree
 
 
 class SequenceStatus(Enum):
@@ -27,7 +28,7 @@ class Sequence:
         self.num_scheduled_tokens = 0  # tokens computed in the current step
         self.block_size = block_size
         self.block_table: list[int] = []
-        self.draft_token_ids: list[int] = []  # proposed continuation, verified (and mostly replaced) by the next step
+        self.draft = DraftTree()  # proposed continuations, verified (and mostly replaced) by the next step
         self.params = params
         self.generator = torch.Generator().manual_seed(params.seed) if params.seed is not None else None
         self.logprobs: list[dict] = []

@@ -1,28 +1,36 @@
-"""Deciding which draft tokens the target keeps: exact match for greedy, rejection sampling otherwise (the output
-follows the target's distribution exactly, whatever the draft proposed)."""
+"""Deciding which draft tokens the target keeps, walking the draft tree from the sequence's last token: exact match
+with the target's argmax for greedy, rejection sampling otherwise, so the output follows the target's distribution
+exactly whatever the drafts were."""
 import torch
 
-
-def greedy_accept(target_tokens: list[int], draft_tokens: list[int]) -> int:
-    """How many drafts equal the target's own argmax at their position."""
-    for index, (target, draft) in enumerate(zip(target_tokens, draft_tokens)):
-        if target != draft:
-            return index
-    return len(draft_tokens)
+from llmc.runtime.spec.tree import ROOT, DraftTree
 
 
-def rejection_sample(
-    target_probs: torch.Tensor, draft_tokens: list[int], draft_probs: torch.Tensor, generator: torch.Generator | None
-) -> list[int]:
-    """target_probs [k + 1, vocab], draft_probs [k, vocab] -> the accepted drafts plus one recovered or bonus token.
-    Draft i is kept with probability min(1, p(x) / q(x)); the first rejected one is replaced by a draw from
-    normalise(max(p - q, 0)); when all are kept, a bonus token is drawn from the last target row."""
-    accepted = []
-    for index, token in enumerate(draft_tokens):
-        p, q = target_probs[index, token], draft_probs[index, token]
-        if torch.rand((), generator=generator) * q < p:
-            accepted.append(token)
-            continue
-        residual = (target_probs[index] - draft_probs[index]).clamp(min=0)
-        return accepted + [int(torch.multinomial(residual / residual.sum(), 1, generator=generator))]
-    return accepted + [int(torch.multinomial(target_probs[len(draft_tokens)], 1, generator=generator))]
+def greedy_accept(target_tokens: list[int], tree: DraftTree) -> list[int]:
+    """target_tokens[0] is the target's argmax after the last token, target_tokens[1 + n] after node n.
+    Returns the accepted path: nodes whose token is the target's choice after their parent."""
+    path, node = [], ROOT
+    while (child := next((c for c in tree.children(node) if tree.tokens[c] == target_tokens[node + 1]), None)) is not None:
+        path.append(child)
+        node = child
+    return path
+
+
+def rejection_sample(target_probs: torch.Tensor, tree: DraftTree, generator: torch.Generator | None) -> tuple[list[int], int]:
+    """target_probs [1 + len(tree), vocab] (row 0 after the last token, row 1 + n after node n) -> (accepted path,
+    the token drawn after it). Drafts are the proposer's top guesses, a deterministic q: a child x is kept with
+    probability min(1, p(x) / q(x)) = p(x); on rejection p becomes normalise(max(p - q, 0)), p without x, and the next
+    sibling is tried; when none is kept the token is drawn from what remains of p (at a leaf: the bonus token)."""
+    path, node = [], ROOT
+    while True:
+        probs = target_probs[node + 1].clone()
+        for child in tree.children(node):
+            token = tree.tokens[child]
+            if torch.rand((), generator=generator) < probs[token]:
+                path.append(child)
+                node = child
+                break
+            probs[token] = 0
+            probs /= probs.sum()
+        else:
+            return path, int(torch.multinomial(probs, 1, generator=generator))

@@ -1,59 +1,96 @@
-"""The speculative step around the target's forward: verify the drafts each sequence carried into this step (the
-forward computed them after its last token, causally, so it is a chain mask over the paged cache), keep the
-accepted ones plus one token of the target's, and propose the next drafts from the last kept hidden state."""
+"""The speculative step around the target's forward: verify the draft tree each sequence carried into this step (the
+forward computed its nodes after the last token, each attending only to its ancestors), keep the accepted path plus
+one token of the target's, move the path's K/V into place, and let the proposer draft the next tree."""
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
 from llmc.draft.store import load_draft
 from llmc.errors import LlmcError
 from llmc.runtime.config import EngineConfig
 from llmc.runtime.layers.sampler import SampledToken, sampled_token, sampling_probs
-from llmc.runtime.models.llama import LlamaForCausalLM
 from llmc.runtime.sequence import Sequence
 from llmc.runtime.spec.acceptance import greedy_accept, rejection_sample
+from llmc.runtime.spec.proposers import Observed, build_proposer
 from llmc.runtime.spec.stats import SpecStats
+from llmc.runtime.spec.tree import DraftTree
 
 
 class SpeculativeDecoder:
-    def __init__(self, folder: Path, model: LlamaForCausalLM, config: EngineConfig, hidden_size: int, max_model_len: int):
-        self.draft_config, self.heads = load_draft(folder, config.dtype, config.device)
-        if self.draft_config["hidden_size"] != hidden_size:
-            raise LlmcError(f"{folder} was trained for hidden size {self.draft_config['hidden_size']}, this model has {hidden_size}")
-        self.num_tokens = min(config.num_speculative_tokens or self.heads.num_heads, self.heads.num_heads)
+    def __init__(self, folder: Path, runner, config: EngineConfig):
+        self.draft_config, heads = load_draft(folder, config.dtype, config.device)
+        if self.draft_config["hidden_size"] != runner.hf_config.hidden_size:
+            raise LlmcError(f"{folder} was trained for hidden size {self.draft_config['hidden_size']}, this model has {runner.hf_config.hidden_size}")
+        self.proposer = build_proposer(self.draft_config, heads, runner.model, config)
+        self.num_tokens = self.proposer.max_depth
         self.max_num_seqs = config.speculative_max_num_seqs
-        self.max_model_len = max_model_len
-        self.compute_logits = model.compute_logits
+        self.max_model_len = runner.max_model_len
+        self.block_size = runner.block_size
+        # [2, layers, slots, kv_heads, head_dim] as bytes: moving entries needs no float8 copy kernel
+        self.kv_slots = runner.kv_cache.flatten(2, 3).view(torch.uint8)
+        self.compute_logits = runner.model.compute_logits
         self.stats = SpecStats(self.num_tokens)
 
-    def accept(self, seqs: list[Sequence], hidden: torch.Tensor, logits: torch.Tensor, num_rows: list[int]) -> dict[Sequence, list[SampledToken]]:
-        """Rows of hidden/logits: for each sequence its last token then its num_rows - 1 scheduled drafts."""
-        outputs, kept_rows, start = {}, [], 0
-        for seq, count in zip(seqs, num_rows):
-            rows, drafts, params = logits[start : start + count], seq.draft_token_ids[: count - 1], seq.params
-            if params.greedy:
-                targets = rows.argmax(-1).tolist()
-                token_ids = targets[: greedy_accept(targets, drafts) + 1]
-            else:
-                draft_probs = F.one_hot(torch.tensor(drafts, dtype=torch.long), rows.shape[-1]).float()  # drafts are top-1 guesses
-                probs = torch.stack([sampling_probs(row, params) for row in rows]).cpu()
-                token_ids = rejection_sample(probs, drafts, draft_probs, seq.generator)
-            self.stats.record(len(drafts), len(token_ids) - 1)
-            outputs[seq] = [sampled_token(token_id, rows[index], params) for index, token_id in enumerate(token_ids)]
-            kept_rows.append(start + len(token_ids) - 1)
-            start += count
-        self._propose(seqs, hidden[kept_rows], outputs)
+    def step(self, seqs: list[Sequence], hidden: torch.Tensor) -> dict[Sequence, list[SampledToken]]:
+        """hidden: the forward's rows, each sequence's scheduled chunk in order (prompt or last token, then nodes)."""
+        chunks, start = [], 0
+        for seq in seqs:
+            chunks.append((seq, start, start + seq.num_scheduled_tokens))
+            start += seq.num_scheduled_tokens
+        verified = [(seq, start, end, end - (seq.num_computed_tokens + seq.num_scheduled_tokens - len(seq)) - 1)
+                    for seq, start, end in chunks if seq.num_computed_tokens + seq.num_scheduled_tokens >= len(seq)]
+        rows = [row for _, _, end, root in verified for row in range(root, end)]
+        logits = self.compute_logits(hidden[rows]) if rows else None  # one LM-head matmul for the whole batch
+        outputs, observed, offset = {}, [], 0
+        for seq, start, end, root in verified:
+            path, tokens = self._verify(seq, seq.draft.truncated(end - root - 1), logits[offset : offset + end - root])
+            offset += end - root
+            self._move_kv(seq, path)
+            outputs[seq] = tokens
+            kept = list(range(start, root + 1)) + [root + 1 + node for node in path]
+            known = seq.token_ids[seq.num_computed_tokens + 1 :] + [token.token_id for token in tokens]
+            observed.append(Observed(seq, seq.num_computed_tokens, hidden[kept], known, True))
+        for seq, start, end in chunks:
+            if seq not in outputs:  # a prefill chunk that does not reach the last token
+                first = seq.num_computed_tokens + 1
+                observed.append(Observed(seq, seq.num_computed_tokens, hidden[start:end], seq.token_ids[first : first + end - start], False))
+        self._propose(observed, outputs)
         return outputs
 
-    def _propose(self, seqs: list[Sequence], hidden: torch.Tensor, outputs: dict[Sequence, list[SampledToken]]) -> None:
-        if len(seqs) > self.max_num_seqs:  # under load the batch already fills the machine: drafts would only add work
-            for seq in seqs:
-                seq.draft_token_ids = []
-            return
-        guesses = self.compute_logits(self.heads(hidden)[: self.num_tokens].flatten(0, 1)).argmax(-1).view(self.num_tokens, -1)
-        for column, seq in enumerate(seqs):
+    def _verify(self, seq: Sequence, tree: DraftTree, logits: torch.Tensor) -> tuple[list[int], list[SampledToken]]:
+        """logits: row 0 after the last token, row 1 + n after node n -> (accepted path, emitted tokens)."""
+        params = seq.params
+        if params.greedy:
+            targets = logits.argmax(-1).tolist()
+            path = greedy_accept(targets, tree)
+            last = targets[path[-1] + 1 if path else 0]
+        else:
+            probs = torch.stack([sampling_probs(row, params) for row in logits]).cpu()
+            path, last = rejection_sample(probs, tree, seq.generator)
+        self.stats.record(len(tree), len(path))
+        rows = [0] + [node + 1 for node in path]
+        token_ids = [tree.tokens[node] for node in path] + [last]
+        return path, [sampled_token(token_id, logits[row], params) for token_id, row in zip(token_ids, rows)]
+
+    def _move_kv(self, seq: Sequence, path: list[int]) -> None:
+        """Node n was computed at cache position len(seq) + n; the accepted path's k-th node belongs at len(seq) + k."""
+        moves = [(len(seq) + node, len(seq) + depth) for depth, node in enumerate(path) if node != depth]
+        if moves:
+            sources, targets = zip(*((self._slot(seq, source), self._slot(seq, target)) for source, target in moves))
+            self.kv_slots[:, :, list(targets)] = self.kv_slots[:, :, list(sources)]
+
+    def _slot(self, seq: Sequence, position: int) -> int:
+        return seq.block_table[position // self.block_size] * self.block_size + position % self.block_size
+
+    def _propose(self, observed: list[Observed], outputs: dict[Sequence, list[SampledToken]]) -> None:
+        drafting = len(observed) <= self.max_num_seqs  # under load the batch already fills the machine: drafts would only add work
+        trees = self.proposer.propose(observed, drafting)
+        for item in observed:
+            seq = item.seq
+            if not item.sampled:
+                continue
             num_new = len(outputs[seq])
-            remaining = seq.params.max_tokens - seq.num_output_tokens - num_new
-            count = max(0, min(self.num_tokens, remaining - 1, self.max_model_len - len(seq) - num_new))
-            seq.draft_token_ids = guesses[:count, column].tolist()
+            tree = trees.get(seq, DraftTree())
+            max_depth = min(self.num_tokens, seq.params.max_tokens - seq.num_output_tokens - num_new - 1)
+            max_nodes = max(0, self.max_model_len - len(seq) - num_new)
+            seq.draft = tree.truncated(min(max_nodes, sum(depth <= max_depth for depth in tree.depths)))
