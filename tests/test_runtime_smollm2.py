@@ -64,7 +64,7 @@ def test_smollm2_bfloat16_greedy_speculative_output_equals_plain_decoding(artifa
     save_draft(tmp_path, {"method": "medusa", "num_heads": 4, "hidden_size": 576})
     params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
     plain = LLMEngine(str(artifact), EngineConfig(kv_cache_gib=0.1))
-    speculative = LLMEngine(str(artifact), EngineConfig(kv_cache_gib=0.1, speculative=tmp_path))
+    speculative = LLMEngine(str(artifact), EngineConfig(kv_cache_gib=0.1, speculative=tmp_path, adaptive_speculation=False))
     for prompt in chat_prompts(plain.tokenizer, 4):
         assert speculative.generate([prompt], params)[0]["token_ids"] == plain.generate([prompt], params)[0]["token_ids"]
     assert speculative.runner.speculator.stats.num_drafts > 0

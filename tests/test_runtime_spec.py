@@ -11,6 +11,7 @@ from llmc.runtime.config import EngineConfig
 from llmc.runtime.engine import LLMEngine
 from llmc.runtime.sampling_params import SamplingParams
 from llmc.runtime.spec.acceptance import greedy_accept, rejection_sample
+from llmc.runtime.spec.governor import DraftGovernor
 from llmc.runtime.spec.proposers import most_probable_nodes
 from llmc.runtime.spec.tree import DraftTree
 
@@ -57,7 +58,8 @@ def test_eagle_tree_keeps_the_most_probable_paths():
 
 
 def build(model: Path, **kwargs) -> LLMEngine:
-    return LLMEngine(model, EngineConfig(dtype=torch.float32, block_size=4, **({"num_kv_blocks": 48} | kwargs)))
+    settings = {"num_kv_blocks": 48, "adaptive_speculation": False} | kwargs  # draft every step unless a test says so
+    return LLMEngine(model, EngineConfig(dtype=torch.float32, block_size=4, **settings))
 
 
 @pytest.mark.parametrize("max_num_seqs, max_num_batched_tokens", [(1, 512), (4, 512), (4, 7)])
@@ -80,6 +82,32 @@ def test_speculation_turns_off_under_load(tiny_llama, trained):
     engine = build(tiny_llama, speculative=draft, speculative_max_num_seqs=1, num_kv_blocks=256)  # all run at once
     engine.generate(prompts, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
     assert engine.runner.speculator.stats.num_drafts == 0
+
+
+def test_governor_measures_both_ways_then_drafts_only_while_it_wins_probing_the_other_way():
+    governor = DraftGovernor(probe_every=4)
+    assert governor.should_draft() is True  # nothing measured: try drafting first
+    governor.record(True, num_tokens=3, seconds=1.0)
+    assert governor.should_draft() is False  # then plain decoding
+    governor.record(False, num_tokens=2, seconds=1.0)
+    assert [governor.should_draft() for _ in range(6)] == [True, False, True, True, True, False]  # every 4th probes
+    for _ in range(8):  # drafts stop paying: the moving average follows
+        governor.record(True, num_tokens=1, seconds=1.0)
+    assert governor.rates[True] < governor.rates[False] and [governor.should_draft() for _ in range(4)] == [False, False, False, True]
+
+
+def test_adaptive_speculation_stops_drafting_when_verifying_costs_more_than_it_returns(tiny_llama, trained, monkeypatch):
+    draft, prompts = trained
+    engine = build(tiny_llama, speculative=draft, adaptive_speculation=True)
+    plain = build(tiny_llama).generate(prompts[:1], SamplingParams(temperature=0, max_tokens=40, ignore_eos=True))
+    governor = engine.runner.speculator.governor
+    record = governor.record
+    monkeypatch.setattr(governor, "record", lambda drafted, num_tokens, seconds: record(drafted, num_tokens, seconds * (50 if drafted else 1)))
+    served = engine.generate(prompts[:1], SamplingParams(temperature=0, max_tokens=40, ignore_eos=True))
+    assert served[0]["token_ids"] == plain[0]["token_ids"]
+    stats = engine.runner.speculator.stats
+    # the first tries (a step's rate is recorded after it has decided the next step's drafts), then only probes
+    assert 1 <= stats.num_drafts <= 2 + 40 // governor.probe_every
 
 
 @pytest.mark.parametrize("method", ["medusa", "eagle tree"])

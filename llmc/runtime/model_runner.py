@@ -1,4 +1,5 @@
 import logging
+import time
 
 import torch
 
@@ -132,9 +133,10 @@ class ModelRunner:
         """Compute the scheduled tokens of every sequence; sample for those whose scheduled chunk reaches their last
         token: one token, or with a speculator the accepted drafts plus one."""
         seqs = sorted(seqs, key=lambda seq: seq.num_uncomputed_tokens > 1)  # decodes (with their drafts) first
+        started = time.perf_counter()
         hidden = self.forward(seqs)
         if self.speculator is not None:
-            return self.speculator.step(seqs, hidden)
+            return self.speculator.step(seqs, hidden, started)
         rows, sampling_seqs, end = [], [], 0
         for seq in seqs:
             end += seq.num_scheduled_tokens

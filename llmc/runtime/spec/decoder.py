@@ -1,6 +1,7 @@
 """The speculative step around the target's forward: verify the draft tree each sequence carried into this step (the
 forward computed its nodes after the last token, each attending only to its ancestors), keep the accepted path plus
 one token of the target's, move the path's K/V into place, and let the proposer draft the next tree."""
+import time
 from pathlib import Path
 
 import torch
@@ -11,6 +12,7 @@ from llmc.runtime.config import EngineConfig
 from llmc.runtime.layers.sampler import SampledToken, sampled_token, sampling_probs
 from llmc.runtime.sequence import Sequence
 from llmc.runtime.spec.acceptance import greedy_accept, rejection_sample
+from llmc.runtime.spec.governor import DraftGovernor
 from llmc.runtime.spec.proposers import Observed, build_proposer
 from llmc.runtime.spec.stats import SpecStats
 from llmc.runtime.spec.tree import DraftTree
@@ -30,9 +32,12 @@ class SpeculativeDecoder:
         self.kv_slots = runner.kv_cache.flatten(2, 3).view(torch.uint8)
         self.compute_logits = runner.model.compute_logits
         self.stats = SpecStats(self.num_tokens)
+        self.governor = DraftGovernor() if config.adaptive_speculation else None
 
-    def step(self, seqs: list[Sequence], hidden: torch.Tensor) -> dict[Sequence, list[SampledToken]]:
-        """hidden: the forward's rows, each sequence's scheduled chunk in order (prompt or last token, then nodes)."""
+    def step(self, seqs: list[Sequence], hidden: torch.Tensor, started: float) -> dict[Sequence, list[SampledToken]]:
+        """hidden: the forward's rows, each sequence's scheduled chunk in order (prompt or last token, then nodes);
+        started: when the step's forward began."""
+        decode_only, drafted = all(seq.num_uncomputed_tokens == 1 for seq in seqs), any(len(seq.draft) for seq in seqs)
         chunks, start = [], 0
         for seq in seqs:
             chunks.append((seq, start, start + seq.num_scheduled_tokens))
@@ -55,6 +60,8 @@ class SpeculativeDecoder:
                 first = seq.num_computed_tokens + 1
                 observed.append(Observed(seq, seq.num_computed_tokens, hidden[start:end], seq.token_ids[first : first + end - start], False))
         self._propose(observed, outputs)
+        if self.governor is not None and decode_only:
+            self.governor.record(drafted, sum(map(len, outputs.values())), time.perf_counter() - started)
         return outputs
 
     def _verify(self, seq: Sequence, tree: DraftTree, logits: torch.Tensor) -> tuple[list[int], list[SampledToken]]:
@@ -83,7 +90,8 @@ class SpeculativeDecoder:
         return seq.block_table[position // self.block_size] * self.block_size + position % self.block_size
 
     def _propose(self, observed: list[Observed], outputs: dict[Sequence, list[SampledToken]]) -> None:
-        drafting = len(observed) <= self.max_num_seqs  # under load the batch already fills the machine: drafts would only add work
+        # under load the batch already fills the machine: drafts would only add work
+        drafting = len(observed) <= self.max_num_seqs and (self.governor is None or self.governor.should_draft())
         trees = self.proposer.propose(observed, drafting)
         for item in observed:
             seq = item.seq
