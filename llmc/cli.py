@@ -143,9 +143,10 @@ def evaluate_speculative(target: str, speculative: str, prompts_file: Path | Non
     table.add_row("identical to plain decoding", f"{result['identical_outputs']} / {len(prompts)}")
     batch1 = result["batch1"]
     table.add_row("batch 1 tokens/s plain / speculative", f"{batch1['plain_tokens_per_s']:.1f} / {batch1['speculative_tokens_per_s']:.1f}")
-    table.add_row("batch 1 speed-up", f"x{batch1['speedup']:.2f}")
+    table.add_row("batch 1 speed-up, drafting every step / as served", f"x{batch1['speedup']:.2f} / x{batch1['served_speedup']:.2f}")
     if f"concurrency{concurrency}" in result:
-        table.add_row(f"concurrency {concurrency} speed-up", f"x{result[f'concurrency{concurrency}']['speedup']:.2f}")
+        loaded = result[f"concurrency{concurrency}"]
+        table.add_row(f"concurrency {concurrency} speed-up, drafting every step / as served", f"x{loaded['speedup']:.2f} / x{loaded['served_speedup']:.2f}")
     console.print(table)
 
 

@@ -1,6 +1,7 @@
 """Speculative decoding measured against the same engine without it, in the same run: mean accepted length,
-acceptance per position, wall-clock speed-up at batch 1 (greedy, one request at a time, the two engines
-interleaved prompt by prompt) and throughput with `concurrency` requests in flight."""
+acceptance per position and wall-clock speed-up at batch 1 with drafts on every step (greedy, one request at a
+time, the engines interleaved prompt by prompt: what the draft is worth), then as served (drafting only while it
+measurably pays) at batch 1 and with `concurrency` requests in flight."""
 import time
 from pathlib import Path
 
@@ -24,21 +25,24 @@ def speculative_eval(model: str, draft: Path, prompts: list[str], max_tokens: in
     """shape: EngineConfig's num_speculative_tokens and speculative_tree_nodes."""
     settings = dict(dtype=dtype, max_num_seqs=max(concurrency, 1), enable_prefix_caching=False)
     plain = LLMEngine(model, EngineConfig(**settings))
-    speculative = LLMEngine(model, EngineConfig(**settings, speculative=draft, **(shape or {})))
+    speculative = LLMEngine(model, EngineConfig(**settings, speculative=draft, adaptive_speculation=False, **(shape or {})))
+    served = LLMEngine(model, EngineConfig(**settings, speculative=draft, **(shape or {})))
     params = SamplingParams(temperature=0, max_tokens=max_tokens)
-    for engine in (plain, speculative):  # warm-up
+    for engine in (plain, speculative, served):  # warm-up
         engine.generate(prompts[:1], SamplingParams(temperature=0, max_tokens=8))
     speculator = speculative.runner.speculator
     stats = speculator.stats = SpecStats(speculator.num_tokens)
-    plain_s = speculative_s = 0.0
+    plain_s = speculative_s = served_s = 0.0
     num_tokens = num_identical = 0
     for prompt in prompts:
         (plain_ids,), seconds = timed_generate(plain, [prompt], params)
         plain_s += seconds
         (speculative_ids,), seconds = timed_generate(speculative, [prompt], params)
         speculative_s += seconds
+        (served_ids,), seconds = timed_generate(served, [prompt], params)
+        served_s += seconds
         num_tokens += len(speculative_ids)
-        num_identical += plain_ids == speculative_ids
+        num_identical += plain_ids == speculative_ids == served_ids
     result = {
         "num_prompts": len(prompts), "max_tokens": max_tokens, "output_tokens": num_tokens,
         "identical_outputs": num_identical,
@@ -46,12 +50,14 @@ def speculative_eval(model: str, draft: Path, prompts: list[str], max_tokens: in
         "acceptance_per_position": stats.acceptance_per_position,
         "accepted_length_histogram": dict(sorted(stats.accepted_lengths.items())),
         "batch1": {"plain_tokens_per_s": num_tokens / plain_s, "speculative_tokens_per_s": num_tokens / speculative_s,
-                   "speedup": plain_s / speculative_s},
+                   "speedup": plain_s / speculative_s, "served_speedup": plain_s / served_s},
     }
     if concurrency > 1:
         _, plain_s = timed_generate(plain, prompts, params)
         _, speculative_s = timed_generate(speculative, prompts, params)
-        result[f"concurrency{concurrency}"] = {"plain_s": plain_s, "speculative_s": speculative_s, "speedup": plain_s / speculative_s}
+        _, served_s = timed_generate(served, prompts, params)
+        result[f"concurrency{concurrency}"] = {"plain_s": plain_s, "speculative_s": speculative_s, "speedup": plain_s / speculative_s,
+                                               "served_s": served_s, "served_speedup": plain_s / served_s}
     return result
 
 
