@@ -71,7 +71,7 @@ class ModelRunner:
             tree = seq.draft.truncated(max(0, end - len(seq)))
             input_ids += seq.token_ids[start : end - len(tree)] + tree.tokens
             positions += list(range(start, end - len(tree))) + [len(seq) - 1 + depth for depth in tree.depths]
-            slot_mapping += self._slots(seq, list(range(start, end)))
+            slot_mapping += self.slots(seq, list(range(start, end)))
             if len(tree):  # one-token groups: the last token, then every node (cache position len(seq) + node)
                 seq_lens += range(start + 1, end + 1)
                 query_lens += [1] * (end - start)
@@ -115,9 +115,9 @@ class ModelRunner:
 
     def _padded_slots(self, seq: Sequence, num_positions: int) -> torch.Tensor:
         padded = -(-num_positions // self.block_size) * self.block_size
-        return torch.tensor(self._slots(seq, list(range(num_positions))) + [0] * (padded - num_positions), device=self.device)
+        return torch.tensor(self.slots(seq, list(range(num_positions))) + [0] * (padded - num_positions), device=self.device)
 
-    def _slots(self, seq: Sequence, positions: list[int]) -> list[int]:
+    def slots(self, seq: Sequence, positions: list[int]) -> list[int]:
         return [seq.block_table[p // self.block_size] * self.block_size + p % self.block_size for p in positions]
 
     @torch.inference_mode()

@@ -27,7 +27,7 @@ class SpeculativeDecoder:
         self.num_tokens = self.proposer.max_depth
         self.max_num_seqs = config.speculative_max_num_seqs
         self.max_model_len = runner.max_model_len
-        self.block_size = runner.block_size
+        self.slots = runner.slots
         # [2, layers, slots, kv_heads, head_dim] as bytes: moving entries needs no float8 copy kernel
         self.kv_slots = runner.kv_cache.flatten(2, 3).view(torch.uint8)
         self.compute_logits = runner.model.compute_logits
@@ -83,11 +83,8 @@ class SpeculativeDecoder:
         """Node n was computed at cache position len(seq) + n; the accepted path's k-th node belongs at len(seq) + k."""
         moves = [(len(seq) + node, len(seq) + depth) for depth, node in enumerate(path) if node != depth]
         if moves:
-            sources, targets = zip(*((self._slot(seq, source), self._slot(seq, target)) for source, target in moves))
-            self.kv_slots[:, :, list(targets)] = self.kv_slots[:, :, list(sources)]
-
-    def _slot(self, seq: Sequence, position: int) -> int:
-        return seq.block_table[position // self.block_size] * self.block_size + position % self.block_size
+            sources, targets = zip(*moves)
+            self.kv_slots[:, :, self.slots(seq, list(targets))] = self.kv_slots[:, :, self.slots(seq, list(sources))]
 
     def _propose(self, observed: list[Observed], outputs: dict[Sequence, list[SampledToken]]) -> None:
         # under load the batch already fills the machine: drafts would only add work
