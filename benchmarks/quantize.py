@@ -21,18 +21,21 @@ DATA = ROOT.parent / "shared" / "data"
 MT_BENCH = {"writing", "roleplay", "reasoning", "math", "coding", "extraction", "stem", "humanities"}
 
 
-def weights(symmetric: bool = True, actorder: str | None = None) -> str:
+def weights(symmetric: bool = True, actorder: str | None = None, observer: str = "minmax") -> str:
     order = f", actorder: {actorder}" if actorder else ""
-    return f"    scheme: {'W4A16' if symmetric else 'W4A16_ASYM'}\n    weights: {{group_size: 64{order}}}\n"
+    return f"    scheme: {'W4A16' if symmetric else 'W4A16_ASYM'}\n    weights: {{group_size: 64{order}, observer: {observer}}}\n"
 
 
 AWQ, AWQ_CLIP = "  - type: awq\n", "  - type: awq\n    clip_search: true\n"
 LLMC = {
     "RTN": "  - type: rtn\n" + weights(),
     "RTN asym": "  - type: rtn\n" + weights(False),
+    "RTN mse": "  - type: rtn\n" + weights(observer="mse"),
     "GPTQ": "  - type: gptq\n" + weights(),
     "GPTQ act-order": "  - type: gptq\n" + weights(actorder="static"),
     "GPTQ asym act-order": "  - type: gptq\n" + weights(False, "static"),
+    "GPTQ act-order mse": "  - type: gptq\n" + weights(actorder="static", observer="mse"),
+    "GPTQ asym act-order mse": "  - type: gptq\n" + weights(False, "static", "mse"),
     "AWQ": AWQ + "  - type: rtn\n" + weights(),
     "AWQ clip": AWQ_CLIP + "  - type: rtn\n" + weights(),
     "AWQ clip asym": AWQ_CLIP + "  - type: rtn\n" + weights(False),

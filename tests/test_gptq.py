@@ -25,6 +25,8 @@ FORMATS = {
     "w4-sym-g32-group": QuantArgs(num_bits=4, strategy="group", group_size=32, actorder="group"),
     "w8-sym-channel": QuantArgs(num_bits=8, strategy="channel"),
     "w4-asym-tensor": QuantArgs(num_bits=4, symmetric=False, strategy="tensor"),
+    "w4-asym-g32-mse": QuantArgs(num_bits=4, symmetric=False, strategy="group", group_size=32, observer="mse"),
+    "w4-sym-g32-static-mse": QuantArgs(num_bits=4, strategy="group", group_size=32, actorder="static", observer="mse"),
 }
 
 
@@ -56,7 +58,9 @@ def test_gptq_beats_round_to_nearest_on_output_error(name):
     assert (gptq.g_idx is not None) == (args.actorder == "group")
 
 
-@pytest.mark.parametrize("name", ["w4-sym-g32", "w4-asym-g32", "w4-sym-g32-static", "w8-sym-channel"])
+@pytest.mark.parametrize(
+    "name", ["w4-sym-g32", "w4-asym-g32", "w4-sym-g32-static", "w8-sym-channel", "w4-asym-g32-mse", "w4-sym-g32-static-mse"]
+)
 def test_without_error_propagation_gptq_is_round_to_nearest(name):
     """A diagonal Hessian couples no columns: nothing propagates, and GPTQ must reproduce RTN exactly."""
     args = FORMATS[name]

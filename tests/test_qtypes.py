@@ -6,7 +6,15 @@ from compressed_tensors.quantization.lifecycle.forward import quantize as ct_qua
 from compressed_tensors.quantization.utils.helpers import calculate_qparams
 
 from llmc.artifact.compressed_tensors import to_ct_args
-from llmc.quant.qtypes import QuantArgs, compute_qparams, fake_quantize, observe_minmax, quantize_weight
+from llmc.artifact.ct_config import from_ct_args
+from llmc.quant.qtypes import (
+    MSE_NORM,
+    QuantArgs,
+    compute_qparams,
+    fake_quantize,
+    observe_minmax,
+    quantize_weight,
+)
 
 FORMATS = [
     QuantArgs(num_bits=4, symmetric=True, strategy="group", group_size=32),
@@ -114,3 +122,42 @@ def test_dynamic_activation_scales_per_token_and_group():
     codes, scale = quantize_activation(x, groups)
     assert codes.shape == (6, 80) and scale.shape == (6, 3)  # the last group holds 16 features
     torch.testing.assert_close(scale[:, 2], x.reshape(6, 80)[:, 64:].abs().amax(-1) / 448)
+
+
+def group_errors(weight: torch.Tensor, args: QuantArgs) -> torch.Tensor:
+    """Each (row, group)'s quantization error in the norm the mse observer minimises."""
+    error = (quantize_weight(weight, args).dequantize() - weight).abs().pow(MSE_NORM)
+    return error.reshape(weight.shape[0], -1, args.group_size).sum(dim=-1)
+
+
+def heavy_tailed_weight(out: int, cols: int, seed: int) -> torch.Tensor:
+    """Student-t with 3 degrees of freedom, the heavy tails of trained LLM weights."""
+    generator = torch.Generator().manual_seed(seed)
+    normal = torch.randn(out, cols, generator=generator)
+    chi_square = torch.randn(3, out, cols, generator=generator).pow(2).sum(dim=0)
+    return normal / (chi_square / 3).sqrt() * 0.05
+
+
+@pytest.mark.parametrize("symmetric, gain", [(True, 0.9), (False, 0.98)])
+def test_mse_observer_clips_outliers_and_is_never_worse_than_min_max(symmetric, gain):
+    w = heavy_tailed_weight(8, 128, seed=5)
+    minmax = QuantArgs(num_bits=4, symmetric=symmetric, group_size=64)
+    mse = QuantArgs(num_bits=4, symmetric=symmetric, group_size=64, observer="mse")
+    ratios = group_errors(w, mse) / group_errors(w, minmax)
+    assert (ratios <= 1 + 1e-6).all()  # factor 1.0 is among those tried
+    assert ratios.median() < gain
+    ranges = quantize_weight(w, mse).scale / quantize_weight(w, minmax).scale
+    assert (ranges <= 1 + 1e-6).all() and (ranges >= 0.81 - 1e-6).all() and (ranges < 0.99).any()
+
+
+def test_mse_observer_is_written_to_and_read_from_compressed_tensors_config():
+    args = QuantArgs(num_bits=4, group_size=64, actorder="static", observer="mse")
+    ct_args = to_ct_args(args)
+    assert ct_args.observer == "mse"
+    assert from_ct_args(ct_args.model_dump()) == args
+    assert from_ct_args(to_ct_args(QuantArgs()).model_dump()).observer == "minmax"
+
+
+def test_mse_observer_is_refused_for_dynamic_scales():
+    with pytest.raises(ValueError, match="observer 'mse'"):
+        QuantArgs(num_bits=8, strategy="token", dynamic=True, observer="mse")

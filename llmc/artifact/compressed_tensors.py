@@ -37,7 +37,7 @@ def compressed_tensors_tensors(name: str, weight: QuantizedWeight) -> dict[str, 
 def to_ct_args(args: QuantArgs) -> QuantizationArgs:
     return QuantizationArgs(
         num_bits=args.num_bits, type=args.type, symmetric=args.symmetric, strategy=args.strategy,
-        group_size=args.group_size, actorder=args.actorder, dynamic=args.dynamic,
+        group_size=args.group_size, actorder=args.actorder, dynamic=args.dynamic, observer=args.observer,
         block_structure=list(args.block_structure) if args.block_structure else None,
     )
 

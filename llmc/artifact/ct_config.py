@@ -13,6 +13,7 @@ def from_ct_args(args: dict) -> QuantArgs:
         block_structure=args.get("block_structure"),
         dynamic=bool(args.get("dynamic")),
         actorder="static" if args.get("actorder") == "weight" else args.get("actorder"),
+        observer="mse" if args.get("observer") == "mse" else "minmax",
     )
 
 

@@ -11,7 +11,7 @@ from llmc.quant.qtypes import (
     QuantizedWeight,
     compute_qparams,
     dequantize_columns,
-    observe_minmax,
+    observe_range,
     quantize_columns,
 )
 from llmc.recipe import GPTQStage
@@ -57,7 +57,7 @@ def gptq_quantize(
     hessian[dead, dead] = 1
     grouped = args.strategy == "group"
     # channel and tensor scales, and groups under static act-order, are fixed from the original weight
-    fixed = compute_qparams(*observe_minmax(work, args), args, scale_dtype) if not grouped or args.actorder == "static" else None
+    fixed = compute_qparams(*observe_range(work, args, scale_dtype), args, scale_dtype) if not grouped or args.actorder == "static" else None
     order = torch.argsort(torch.diagonal(hessian), descending=True) if args.actorder else torch.arange(columns)
     work, hessian = work[:, order], hessian[order][:, order]
     upper = upper_cholesky_of_inverse(hessian, dampening_frac, name)
@@ -78,7 +78,8 @@ def gptq_quantize(
             if fixed is not None:
                 scale, zero_point = column_scales[:, column : column + 1], column_zeros[:, column : column + 1]
             elif column % args.group_size == 0:
-                reached.append(compute_qparams(*observe_minmax(block[:, i : i + args.group_size], args), args, scale_dtype))
+                group_range = observe_range(block[:, i : i + args.group_size], args, scale_dtype)
+                reached.append(compute_qparams(*group_range, args, scale_dtype))
                 scale, zero_point = reached[-1]
             original = block[:, i : i + 1]
             quantized = quantize_columns(original, scale, zero_point, args)
