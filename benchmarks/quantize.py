@@ -40,6 +40,7 @@ LLMC = {
     "AWQ clip": AWQ_CLIP + "  - type: rtn\n" + weights(),
     "AWQ clip asym": AWQ_CLIP + "  - type: rtn\n" + weights(False),
     "AWQ+GPTQ": AWQ + "  - type: gptq\n" + weights(actorder="static"),
+    "AWQ+GPTQ mse": AWQ + "  - type: gptq\n" + weights(actorder="static", observer="mse"),
 }
 LLMCOMPRESSOR = {"llm-compressor GPTQ": ("gptq", True), "llm-compressor GPTQ act-order": ("gptq-static", True),
                  "llm-compressor AWQ": ("awq", True), "llm-compressor AWQ asym": ("awq", False)}
@@ -47,16 +48,18 @@ W8A8_STAGES = {
     "naive W8A8": "  - type: rtn\n    scheme: W8A8\n",
     "SmoothQuant W8A8 a0.5": "  - type: smoothquant\n    alpha: 0.5\n  - type: rtn\n    scheme: W8A8\n",
     "SmoothQuant W8A8 a0.8": "  - type: smoothquant\n    alpha: 0.8\n  - type: rtn\n    scheme: W8A8\n",
+    "SmoothQuant W8A8 a0.5 bf16 passes": "  - type: smoothquant\n    alpha: 0.5\n  - type: rtn\n    scheme: W8A8\n",
     "SmoothQuant+GPTQ W8A8": "  - type: smoothquant\n  - type: gptq\n    scheme: W8A8\n",
     "FP8 dynamic": "  - type: rtn\n    scheme: FP8_DYNAMIC\n",
     "SmoothQuant FP8 dynamic": "  - type: smoothquant\n    alpha: 0.5\n  - type: rtn\n    scheme: FP8_DYNAMIC\n",
     "FP8 static": "  - type: rtn\n    scheme: FP8\n",
     "FP8 block": "  - type: rtn\n    scheme: FP8_BLOCK\n",
 }
+BF16_PASSES = "  dtype: bfloat16\n"  # continues the calibration section: forward passes in bfloat16
 SUITES = {
     "w4a16": ({name: f"stages:\n{stages}" for name, stages in LLMC.items()}, LLMCOMPRESSOR),
     "w8a8": (
-        {name: f"stages:\n{stages}" for name, stages in W8A8_STAGES.items()} | {"fp32 + FP8 KV": "stages: []\nkv_cache: {dtype: fp8}\n"},
+        {name: f"{BF16_PASSES if 'bf16' in name else ''}stages:\n{stages}" for name, stages in W8A8_STAGES.items()} | {"fp32 + FP8 KV": "stages: []\nkv_cache: {dtype: fp8}\n"},
         {"llm-compressor W8A8": ("w8a8", True), "llm-compressor SmoothQuant W8A8 a0.8": ("smoothquant-w8a8", True),
          "llm-compressor FP8 dynamic": ("fp8-dynamic", True)},
     ),
@@ -102,6 +105,13 @@ def llmc_quantize(folder: Path, name: str, body: str, model: str, calibration: P
         f"  seq_len: {seq_len}\n{body}"
     )
     return (folder / slug, *run_measured([sys.executable, "-m", "llmc", "quantize", str(recipe)]))
+
+
+def layerwise_seconds(artifact: Path) -> float | None:
+    """llmc's own timing of the layer-by-layer work (calibration passes, stages, writing), without process start,
+    imports and evals."""
+    manifest = artifact / "llmc.json"
+    return json.loads(manifest.read_text())["timings"]["quantize_s"] if manifest.is_file() else None
 
 
 def llmcompressor_worker(model: str, method: str, symmetric: bool, ids_file: str, output: str) -> None:
@@ -168,7 +178,7 @@ def quality_table(args) -> list[dict]:
 
     text = (DATA / "wikitext-2-raw" / "wiki.test.raw").read_text()
     base = args.fp32_perplexity or perplexity_of(args.model, text, args.windows)
-    rows = [{"method": "fp32", "perplexity": base, "seconds": None, "cpu": None, "rss": None}]
+    rows = [{"method": "fp32", "perplexity": base, "seconds": None, "cpu": None, "rss": None, "layerwise": None}]
     print(json.dumps(rows[0]), flush=True)
     with tempfile.TemporaryDirectory() as tmp:
         folder = Path(tmp)
@@ -192,7 +202,7 @@ def quality_table(args) -> list[dict]:
                 print(f"{name}: {error}", file=sys.stderr)
                 continue
             rows.append({"method": name, "perplexity": perplexity_of(str(artifact), text, args.windows),
-                         "seconds": seconds, "cpu": cpu, "rss": rss})
+                         "seconds": seconds, "cpu": cpu, "rss": rss, "layerwise": layerwise_seconds(artifact)})
             print(json.dumps(rows[-1]), flush=True)
     return rows
 
@@ -214,9 +224,10 @@ def main() -> None:
     rows = quality_table(args)
     base = rows[0]["perplexity"]
     print(f"\n{TITLES[args.suite]}, calibration {args.samples} x {args.seq_len} Spec-Bench tokens, WikiText-2 {args.windows} x 1024")
-    print("| method | perplexity | vs fp32 | quantize wall s | quantize CPU s | peak RSS MiB |\n|---|---|---|---|---|---|")
+    print("| method | perplexity | vs fp32 | quantize wall s | quantize CPU s | layer-by-layer s | peak RSS MiB |")
+    print("|---|---|---|---|---|---|---|")
     for row in rows:
-        cells = ["" if row[key] is None else f"{row[key]:.0f}" for key in ("seconds", "cpu", "rss")]
+        cells = ["" if row[key] is None else f"{row[key]:.0f}" for key in ("seconds", "cpu", "layerwise", "rss")]
         print(f"| {row['method']} | {row['perplexity']:.3f} | {row['perplexity'] / base - 1:+.2%} | {' | '.join(cells)} |")
 
 

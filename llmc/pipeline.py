@@ -103,6 +103,7 @@ def run_quantize(recipe: Recipe, overwrite: bool = False) -> Path:
                 "dataset": calibration.source,
                 "num_samples": calibration.input_ids.shape[0],
                 "seq_len": calibration.input_ids.shape[1],
+                "dtype": str(calibration.compute_dtype).removeprefix("torch."),
                 "sha256": calibration.sha256,
             },
             "layers": [asdict(report) for report in reports],

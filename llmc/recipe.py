@@ -24,6 +24,8 @@ class CalibrationConfig(StrictModel):
     num_samples: int = Field(64, gt=0)
     seq_len: int = Field(512, gt=0)
     seed: int = 0
+    # precision of the calibration forward passes; weights, statistics and algorithms stay float32
+    dtype: Literal["float32", "bfloat16"] = "float32"
 
 
 class WeightStage(StrictModel):

@@ -17,6 +17,7 @@ LOCAL_BUILDERS = {".txt": "text", ".jsonl": "json", ".json": "json", ".parquet":
 class CalibrationSet:
     input_ids: torch.Tensor  # [num_samples, seq_len]
     source: str
+    compute_dtype: torch.dtype = torch.float32  # of the calibration forward passes
 
     @property
     def sha256(self) -> str:
@@ -65,4 +66,4 @@ def load_calibration(config: CalibrationConfig, tokenizer) -> CalibrationSet:
             f"{config.num_samples} x {config.seq_len}; lower one of them or add data"
         )
     input_ids = torch.tensor(tokens[:needed]).reshape(config.num_samples, config.seq_len)
-    return CalibrationSet(input_ids, config.dataset)
+    return CalibrationSet(input_ids, config.dataset, getattr(torch, config.dtype))

@@ -83,7 +83,7 @@ def quantize_layerwise(
     layers = decoder_layers(skeleton, family)
     hidden = runner = None
     if calibration is not None:
-        runner = LayerRunner(skeleton, config, calibration.input_ids.shape[1])
+        runner = LayerRunner(skeleton, config, calibration.input_ids.shape[1], compute_dtype=calibration.compute_dtype)
         hidden = embed(reader, family, calibration.input_ids)
     reports = []
     for index in tqdm(range(len(layers)), desc="quantizing layers", unit="layer"):
