@@ -49,6 +49,9 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[
         if row_params.greedy:
             token_id = greedy_tokens[row]
         else:
-            token_id = int(torch.multinomial(sampling_probs(logits[row], row_params), 1, generator=generator))
+            probs = sampling_probs(logits[row], row_params)
+            if generator is not None:  # seeded generators live on the CPU: the same seed draws the same tokens on any device
+                probs = probs.to(generator.device)
+            token_id = int(torch.multinomial(probs, 1, generator=generator))
         sampled.append(sampled_token(token_id, logits[row], row_params))
     return sampled
