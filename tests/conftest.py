@@ -1,6 +1,7 @@
 import importlib.util
 import json
 import os
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -28,6 +29,33 @@ def build_tokenizer(folder: Path):
     tokenizer.chat_template = "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n{% endfor %}"
     tokenizer.save_pretrained(folder)
     return tokenizer
+
+
+@dataclass
+class FirstLayer:
+    """A checkpoint's first decoder layer, read into the layer-by-layer driver's skeleton, and embedded inputs."""
+
+    config: object
+    skeleton: torch.nn.Module
+    layer: torch.nn.Module
+    hidden: torch.Tensor  # [num_samples, seq_len, hidden]: random token ids, embedded
+
+
+def first_layer(model: Path, num_samples: int, seq_len: int, seed: int) -> FirstLayer:
+    from transformers import AutoConfig
+
+    from llmc.calib.driver import build_skeleton, decoder_layers, embed, materialize
+    from llmc.models.checkpoint import CheckpointReader
+    from llmc.models.families import family_for
+
+    config = AutoConfig.from_pretrained(model)
+    family = family_for(config)
+    reader = CheckpointReader(model)
+    skeleton = build_skeleton(AutoConfig.from_pretrained(model))
+    layer = decoder_layers(skeleton, family)[0]
+    materialize(layer, reader, f"{family.layers}.0")
+    input_ids = torch.randint(0, config.vocab_size, (num_samples, seq_len), generator=torch.Generator().manual_seed(seed))
+    return FirstLayer(config, skeleton, layer, embed(reader, family, input_ids))
 
 
 def build_tiny_model(folder: Path, model_type: str = "llama", num_layers: int = 2, hidden: int = 64, seed: int = 0) -> Path:

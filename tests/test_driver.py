@@ -11,7 +11,7 @@ from llmc.pipeline import run_quantize
 from llmc.recipe import load_recipe
 from safetensors.torch import load_file
 
-from conftest import write_recipe
+from conftest import first_layer, write_recipe
 
 
 def test_layer_by_layer_matches_the_full_model(tiny_llama):
@@ -37,17 +37,11 @@ def test_layer_by_layer_matches_the_full_model(tiny_llama):
 
 
 def test_bfloat16_forward_keeps_the_float32_weights(tiny_llama):
-    config = AutoConfig.from_pretrained(tiny_llama)
-    family = family_for(config)
-    reader = CheckpointReader(tiny_llama)
-    skeleton = build_skeleton(AutoConfig.from_pretrained(tiny_llama))
-    layer = decoder_layers(skeleton, family)[0]
-    materialize(layer, reader, "model.layers.0")
+    setup = first_layer(tiny_llama, num_samples=4, seq_len=16, seed=1)
+    config, skeleton, layer, hidden = setup.config, setup.skeleton, setup.layer, setup.hidden
     before = {name: (parameter.data_ptr(), parameter.detach().clone()) for name, parameter in layer.named_parameters()}
     seen = []
     handle = layer.mlp.down_proj.register_forward_pre_hook(lambda module, args: seen.append(module.weight.dtype))
-    input_ids = torch.randint(0, config.vocab_size, (4, 16), generator=torch.Generator().manual_seed(1))
-    hidden = embed(reader, family, input_ids)
     exact = LayerRunner(skeleton, config, seq_len=16)(layer, hidden)
     fast = LayerRunner(skeleton, config, seq_len=16, compute_dtype=torch.bfloat16)(layer, hidden)
     handle.remove()

@@ -3,20 +3,18 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM
+from transformers import AutoModelForCausalLM
 
-from llmc.calib.driver import build_skeleton, decoder_layers, embed, layer_linears, materialize
+from llmc.calib.driver import layer_linears
 from llmc.calib.layer import LayerRunner, LayerWork, recording
 from llmc.errors import LlmcError
-from llmc.models.checkpoint import CheckpointReader
-from llmc.models.families import family_for
 from llmc.models.loading import load_model
 from llmc.pipeline import run_quantize
 from llmc.quant.gptq import GPTQQuantizer, gptq_quantize
 from llmc.quant.qtypes import QuantArgs, quantize_weight
 from llmc.recipe import GPTQStage, load_recipe
 
-from conftest import write_recipe
+from conftest import first_layer, write_recipe
 
 FORMATS = {
     "w4-sym-g32": QuantArgs(num_bits=4, strategy="group", group_size=32),
@@ -110,14 +108,8 @@ def test_dead_inputs_keep_their_weights_and_never_produce_nan():
 
 @pytest.mark.parametrize("compute_dtype", [torch.float32, torch.bfloat16])
 def test_hessians_are_shared_by_linears_that_read_the_same_input(tiny_llama, compute_dtype):
-    config = AutoConfig.from_pretrained(tiny_llama)
-    family = family_for(config)
-    reader = CheckpointReader(tiny_llama)
-    skeleton = build_skeleton(AutoConfig.from_pretrained(tiny_llama))
-    layer = decoder_layers(skeleton, family)[0]
-    materialize(layer, reader, "model.layers.0")
-    input_ids = torch.randint(0, config.vocab_size, (5, 16), generator=torch.Generator().manual_seed(0))
-    hidden = embed(reader, family, input_ids)
+    setup = first_layer(tiny_llama, num_samples=5, seq_len=16, seed=0)
+    config, skeleton, layer, hidden = setup.config, setup.skeleton, setup.layer, setup.hidden
     runner = LayerRunner(skeleton, config, seq_len=16, batch_size=2, compute_dtype=compute_dtype)
     stage = GPTQQuantizer(GPTQStage(type="gptq"), torch.float32)
     work = LayerWork(layer, "model.layers.0", layer_linears(layer, "model.layers.0"), {}, runner)
