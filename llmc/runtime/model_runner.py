@@ -111,11 +111,12 @@ class ModelRunner:
             on_chain = path == list(range(node + 1))
             prefix_lens.append(len(seq) + node + 1 if on_chain else len(seq))
             branches.append([] if on_chain else [len(seq) + ancestor for ancestor in path])
-        return DecodeGroup(self._padded_slots(seq, end), prefix_lens, branches)
+        return DecodeGroup(self._block_slots(seq, end), prefix_lens, branches)
 
-    def _padded_slots(self, seq: Sequence, num_positions: int) -> torch.Tensor:
-        padded = -(-num_positions // self.block_size) * self.block_size
-        return torch.tensor(self.slots(seq, list(range(num_positions))) + [0] * (padded - num_positions), device=self.device)
+    def _block_slots(self, seq: Sequence, num_positions: int) -> torch.Tensor:
+        """Every cache slot of the blocks holding the first num_positions positions; the tail past them is masked."""
+        blocks = torch.tensor(seq.block_table[: -(-num_positions // self.block_size)], device=self.device)
+        return (blocks[:, None] * self.block_size + torch.arange(self.block_size, device=self.device)).flatten()
 
     def slots(self, seq: Sequence, positions: list[int]) -> list[int]:
         return [seq.block_table[p // self.block_size] * self.block_size + p % self.block_size for p in positions]

@@ -17,7 +17,7 @@ class DecodeGroup:
     """One sequence's decode rows when a step verifies drafts: row i attends to the first prefix_lens[i] positions
     of the sequence, then to the positions branches[i] (a tree node's ancestors among the drafts)."""
 
-    slots: torch.Tensor  # cache slot of every position, padded to whole blocks
+    slots: torch.Tensor  # cache slot of every position, in whole blocks
     prefix_lens: list[int]
     branches: list[list[int]]
 
