@@ -18,10 +18,6 @@ class DraftTree:
         return len(self.tokens)
 
     @property
-    def is_chain(self) -> bool:
-        return self.parents == list(range(-1, len(self.tokens) - 1))
-
-    @property
     def depths(self) -> list[int]:
         """Distance to the sequence's last token: 1 for the first-level nodes."""
         depths: list[int] = []
