@@ -1,7 +1,7 @@
 """`llmc train-draft`: self-distil the artifact's model, train draft heads on it, and store them in ARTIFACT/draft."""
 import json
-from dataclasses import asdict
 import time
+from dataclasses import asdict
 from pathlib import Path
 
 import torch

@@ -6,6 +6,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from llmc.runtime.layers.rotary import rotate_half
+
 TOKEN_LOSS_WEIGHT = 0.1  # the token loss through the LM head, next to the feature regression
 INPUT_NOISE = 0.2  # uniform noise on input features in training, in units of the features' RMS: drafting feeds its own guesses back
 
@@ -27,8 +29,7 @@ def rotate(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tens
     inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, device=x.device, dtype=torch.float32) / head_dim)
     angles = positions[..., None].float() * inv_freq
     cos, sin = torch.cat([angles.cos()] * 2, -1)[..., None, :], torch.cat([angles.sin()] * 2, -1)[..., None, :]
-    first, second = x.float().chunk(2, dim=-1)
-    return (x.float() * cos + torch.cat((-second, first), -1) * sin).to(x.dtype)
+    return (x.float() * cos + rotate_half(x.float()) * sin).to(x.dtype)
 
 
 class EagleDraft(nn.Module):

@@ -5,7 +5,7 @@ from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 from llmc.errors import LlmcError
 
 
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
     first, second = x.chunk(2, dim=-1)
     return torch.cat((-second, first), dim=-1)
 
@@ -36,4 +36,4 @@ class RotaryEmbedding(nn.Module):
 
             return rotary_triton(q, positions, self.cos, self.sin), rotary_triton(k, positions, self.cos, self.sin)
         cos, sin = self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)  # [tokens, 1, head_dim]
-        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+        return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
