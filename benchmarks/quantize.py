@@ -48,7 +48,6 @@ W8A8_STAGES = {
     "naive W8A8": "  - type: rtn\n    scheme: W8A8\n",
     "SmoothQuant W8A8 a0.5": "  - type: smoothquant\n    alpha: 0.5\n  - type: rtn\n    scheme: W8A8\n",
     "SmoothQuant W8A8 a0.8": "  - type: smoothquant\n    alpha: 0.8\n  - type: rtn\n    scheme: W8A8\n",
-    "SmoothQuant W8A8 a0.5 bf16 passes": "  - type: smoothquant\n    alpha: 0.5\n  - type: rtn\n    scheme: W8A8\n",
     "SmoothQuant+GPTQ W8A8": "  - type: smoothquant\n  - type: gptq\n    scheme: W8A8\n",
     "FP8 dynamic": "  - type: rtn\n    scheme: FP8_DYNAMIC\n",
     "SmoothQuant FP8 dynamic": "  - type: smoothquant\n    alpha: 0.5\n  - type: rtn\n    scheme: FP8_DYNAMIC\n",
@@ -59,7 +58,10 @@ BF16_PASSES = "  dtype: bfloat16\n"  # continues the calibration section: forwar
 SUITES = {
     "w4a16": ({name: f"stages:\n{stages}" for name, stages in LLMC.items()}, LLMCOMPRESSOR),
     "w8a8": (
-        {name: f"{BF16_PASSES if 'bf16' in name else ''}stages:\n{stages}" for name, stages in W8A8_STAGES.items()} | {"fp32 + FP8 KV": "stages: []\nkv_cache: {dtype: fp8}\n"},
+        {name: f"stages:\n{stages}" for name, stages in W8A8_STAGES.items()} | {
+            "SmoothQuant W8A8 a0.5 bf16 passes": f"{BF16_PASSES}stages:\n{W8A8_STAGES['SmoothQuant W8A8 a0.5']}",
+            "fp32 + FP8 KV": "stages: []\nkv_cache: {dtype: fp8}\n",
+        },
         {"llm-compressor W8A8": ("w8a8", True), "llm-compressor SmoothQuant W8A8 a0.8": ("smoothquant-w8a8", True),
          "llm-compressor FP8 dynamic": ("fp8-dynamic", True)},
     ),
