@@ -206,12 +206,13 @@ class DraftConfig(StrictModel):
 
     method: Literal["medusa", "eagle"] = "medusa"
     num_heads: int = Field(4, gt=0, le=8)  # Medusa heads
-    prompts: str = "calib_data/smollm2_self_generated.jsonl"
-    num_prompts: int = Field(128, gt=0)
-    max_tokens: int = Field(256, gt=0)  # answer length generated per prompt
+    prompts: str = "calib_data/draft_prompts.jsonl"
+    num_prompts: int = Field(2269, gt=0)
+    max_tokens: int = Field(128, gt=0)  # answer length generated per prompt
     steps: int = Field(300, gt=0)
     batch_size: int = Field(128, gt=0)  # rows (tokens) per step; EAGLE takes them as windows of 128 tokens
     lr: float = Field(1e-3, gt=0)
+    unroll: int = Field(3, gt=0, le=8)  # EAGLE: drafting steps unrolled in training, each fed the previous one's guess
     seed: int = 0
 
 

@@ -83,18 +83,27 @@ def test_eagle_draft_learns_to_predict_the_next_feature(tmp_path):
     torch.manual_seed(0)
     shape = EagleShape(hidden_size=16, num_heads=2, num_kv_heads=1, intermediate_size=32, rope_theta=10000.0, rms_norm_eps=1e-6,
                        draft_vocab_size=10)
-    features = torch.randn(2, 12, 16)
-    embeddings, positions = torch.randn(2, 12, 16), torch.arange(12).expand(2, 12)
-    targets, labels, lm_head = features.roll(-1, 1), torch.randint(0, 10, (2, 12)), torch.randn(10, 16)
+    features = torch.randn(2, 14, 16)
+    embeddings, positions = torch.randn(2, 13, 16), torch.arange(12).expand(2, 12)
+    labels, lm_head = torch.randint(0, 10, (2, 13)), torch.randn(10, 16)
     draft = EagleDraft(shape)
-    losses = train(draft, lambda step: draft.loss(features, embeddings, positions, targets, labels, lm_head, 1.0),
+    losses = train(draft, lambda step: draft.loss(features, embeddings, positions, labels, lm_head, 1.0, unroll=2),
                    TrainConfig(steps=60, lr=1e-2), tmp_path, "eagle")
     assert losses[-1] < 0.5 * losses[0]
     causal = torch.ones(12, 12, dtype=torch.bool).tril()
-    full, _, _ = draft(features, embeddings, positions, causal)
-    first, keys, values = draft(features[:, :5], embeddings[:, :5], positions[:, :5], causal[:5, :5])
-    rest, _, _ = draft(features[:, 5:], embeddings[:, 5:], positions[:, 5:], causal[5:], (keys, values))
+    features, embedded = features[:, :12], embeddings[:, :12]
+    full, _, _ = draft(features, embedded, positions, causal)
+    first, keys, values = draft(features[:, :5], embedded[:, :5], positions[:, :5], causal[:5, :5])
+    rest, _, _ = draft(features[:, 5:], embedded[:, 5:], positions[:, 5:], causal[5:], (keys, values))
     assert torch.allclose(torch.cat([first, rest], 1), full, atol=1e-5)  # incremental with cached keys = all at once
+    one_step, two_steps = draft.unrolled(features, embeddings, positions, unroll=2)
+    assert torch.allclose(one_step, full, atol=1e-5)
+    for row in (0, 6, 11):  # step 2 = drafting after the true pairs up to row: its guess fed back at the next position
+        _, keys, values = draft(features[:, : row + 1], embeddings[:, : row + 1], positions[:, : row + 1], causal[: row + 1, : row + 1])
+        fed_back = full[:, row : row + 1]
+        drafted, _, _ = draft(fed_back, embeddings[:, row + 1 : row + 2], positions[:, row : row + 1] + 1,
+                              torch.ones(1, row + 2, dtype=torch.bool), (keys, values))
+        assert torch.allclose(drafted[:, 0], two_steps[:, row], atol=1e-5)
 
 
 def test_train_draft_needs_an_artifact_and_valid_settings(tmp_path):

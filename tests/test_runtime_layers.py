@@ -68,6 +68,23 @@ def test_paged_reference_equals_contiguous_attention():
     torch.testing.assert_close(decoded, expected[-1:])
 
 
+def test_decode_attention_of_a_sequence_does_not_depend_on_its_batch():
+    """Sequences holding as many blocks are attended in one matmul; each must get the bits it gets alone."""
+    k_cache, v_cache = paged_cache(num_blocks=24, dtype=torch.bfloat16)
+    generator = torch.Generator().manual_seed(1)
+    block_tables = torch.randperm(24, generator=generator)[:20].view(5, 4)
+    context_lens = torch.tensor([17, 30, 64, 3, 20])  # blocks 2, 2, 4, 1, 2
+    query = torch.randn(5, 4, 16, generator=generator).bfloat16()
+    together = decode_attention_reference(query, k_cache, v_cache, block_tables, context_lens, 0.25)
+    for row in range(5):
+        alone = decode_attention_reference(query[row : row + 1], k_cache, v_cache, block_tables[row : row + 1], context_lens[row : row + 1], 0.25)
+        assert torch.equal(together[row : row + 1], alone)
+        keys = k_cache[block_tables[row]].flatten(0, 1)[: context_lens[row]].float().repeat_interleave(2, dim=1)
+        values = v_cache[block_tables[row]].flatten(0, 1)[: context_lens[row]].float().repeat_interleave(2, dim=1)
+        expected = torch.einsum("hk,khd->hd", (torch.einsum("hd,khd->hk", query[row].float(), keys) * 0.25).softmax(-1), values)
+        torch.testing.assert_close(alone[0].float(), expected, atol=1e-2, rtol=1e-2)
+
+
 def sequence(tokens: list[int]) -> Sequence:
     return Sequence(tokens, SamplingParams(), block_size=4)
 

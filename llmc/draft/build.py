@@ -80,9 +80,9 @@ def train_eagle(data: DistillSet, config: DraftConfig, folder: Path, artifact: P
     leads to. Only answer tokens are learned, with the cross-entropy over the tokens the set holds; the draft
     guesses among those and the tokenizer's first ids."""
     embeddings = WeightLoader(artifact, torch.float32, "cpu").tensor("model.embed_tokens.weight")
-    window_len = min(EAGLE_WINDOW, max(len(ids) for ids in data.token_ids) - 2)
+    window_len = min(EAGLE_WINDOW, max(len(ids) for ids in data.token_ids) - config.unroll - 1)
     seqs = [(torch.tensor(ids), hidden, start) for ids, hidden, start in zip(data.token_ids, data.hidden, data.answer_starts)
-            if len(ids) >= window_len + 2 and start + 1 < len(ids)]
+            if len(ids) >= window_len + config.unroll + 1 and start + 1 < len(ids)]
     vocab = torch.unique(torch.cat([ids for ids, _, _ in seqs]))
     to_vocab = torch.full((len(data.lm_head),), -100, dtype=torch.long)
     to_vocab[vocab] = torch.arange(len(vocab))
@@ -94,34 +94,39 @@ def train_eagle(data: DistillSet, config: DraftConfig, folder: Path, artifact: P
     draft.vocab.copy_(draft_vocab)
     generator = torch.Generator().manual_seed(config.seed)
     num_windows = max(1, config.batch_size // window_len)
+    unroll = config.unroll
 
     def window(ids: torch.Tensor, hidden: torch.Tensor, answer_start: int) -> tuple[torch.Tensor, ...]:
-        first = max(0, min(answer_start - 2 - window_len // 4, len(ids) - window_len - 2))
-        start = int(torch.randint(first, len(ids) - window_len - 1, (), generator=generator))
+        """Pairs start..end - 1, and the unroll - 1 features and tokens past them that the deeper steps need."""
+        first = max(0, min(answer_start - 2 - window_len // 4, len(ids) - window_len - unroll - 1))
+        start = int(torch.randint(first, len(ids) - window_len - unroll, (), generator=generator))
         end = start + window_len
-        labels = torch.where(torch.arange(start + 2, end + 2) >= answer_start, to_vocab[ids[start + 2 : end + 2]], -100)
-        return hidden[start:end], embeddings[ids[start + 1 : end + 1]], torch.arange(start, end), hidden[start + 1 : end + 1], labels
+        after = torch.arange(start + 2, end + unroll + 1)
+        labels = torch.where(after >= answer_start, to_vocab[ids[start + 2 : end + unroll + 1]], -100)
+        return hidden[start : end + unroll], embeddings[ids[start + 1 : end + unroll]], torch.arange(start, end), labels
 
     def batch() -> list[torch.Tensor]:
         picks = torch.randint(len(seqs), (num_windows,), generator=generator).tolist()
         return [torch.stack(parts) for parts in zip(*(window(*seqs[index]) for index in picks))]
 
     def loss_fn(step: int) -> torch.Tensor:
-        return draft.loss(*batch(), lm_head, noise_scale)
+        return draft.loss(*batch(), lm_head, noise_scale, unroll)
 
     train_config = TrainConfig(steps=config.steps, lr=config.lr, seed=config.seed)
     losses = train(draft, loss_fn, train_config, folder, "eagle draft")
     with torch.no_grad():
-        features, embedded, positions, _, labels = batch()
-        causal = torch.ones(window_len, window_len, dtype=torch.bool).tril()
-        guesses = (draft(features, embedded, positions, causal)[0] @ lm_head.T).argmax(-1)
-        valid = labels != -100
-        top1 = ((guesses == labels) & valid).sum().item() / max(1, valid.sum().item())
+        features, embedded, positions, labels = batch()
+        steps = draft.unrolled(features[:, :window_len], embedded, positions, unroll)
+        top1 = []
+        for step, predicted in enumerate(steps):
+            step_labels = labels[:, step : step + window_len]
+            valid = step_labels != -100
+            top1.append(((predicted @ lm_head.T).argmax(-1) == step_labels)[valid].float().mean().item())
     summary = {
         "method": "eagle", "hidden_size": shape.hidden_size, "shape": asdict(shape),
         "trained_on": {"prompts": config.prompts, "num_answers": len(data.token_ids), "answer_tokens": data.num_answer_tokens},
         "train": {"steps": config.steps, "batch_size": num_windows * window_len, "lr": config.lr, "final_loss": losses[-1],
-                  "train_top1": round(top1, 4)},
+                  "unroll": unroll, "train_top1_per_step": [round(value, 4) for value in top1]},
     }
     save_heads(folder, draft)
     save_draft(folder, summary)

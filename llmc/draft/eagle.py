@@ -67,14 +67,35 @@ class EagleDraft(nn.Module):
         mlp_in = self.post_attention_layernorm(x)
         return x + self.down_proj(F.silu(self.gate_proj(mlp_in)) * self.up_proj(mlp_in)), k, v
 
-    def loss(self, features: torch.Tensor, embeddings: torch.Tensor, positions: torch.Tensor, targets: torch.Tensor,
-             labels: torch.Tensor, lm_head: torch.Tensor, noise_scale: float) -> torch.Tensor:
-        """One window per row: targets [batch, tokens, hidden] the next features, labels [batch, tokens] the token
-        after those (-100: no loss), lm_head [vocab, hidden] frozen (a slice of the vocabulary is enough)."""
-        noisy = features + (torch.rand_like(features) - 0.5) * INPUT_NOISE * noise_scale
-        causal = torch.ones(features.shape[1], features.shape[1], dtype=torch.bool).tril()
-        predicted, _, _ = self(noisy, embeddings, positions, causal)
-        valid = labels != -100
-        feature_loss = F.smooth_l1_loss(predicted[valid], targets[valid])
-        token_loss = F.cross_entropy(predicted[valid] @ lm_head.T, labels[valid])
-        return feature_loss + TOKEN_LOSS_WEIGHT * token_loss
+    def unrolled(self, features: torch.Tensor, embeddings: torch.Tensor, positions: torch.Tensor, unroll: int) -> list[torch.Tensor]:
+        """Windows of `tokens` pairs drafted `unroll` steps deep as in serving (EAGLE-3's training-time test): step
+        s > 0 feeds the features step s - 1 predicted back in with the tokens after them, attending to the true
+        pairs before it and to its own chain of guesses. features [batch, tokens, hidden], embeddings [batch,
+        tokens + unroll - 1, hidden] of the token after each feature, positions [batch, tokens] of the pairs.
+        Returns each step's predicted features [batch, tokens, hidden]: step s at row i guesses feature i + s + 1."""
+        tokens = positions.shape[1]
+        causal = torch.ones(tokens, tokens, dtype=torch.bool, device=features.device).tril()
+        own_chain = torch.eye(tokens, dtype=torch.bool, device=features.device)
+        inputs, past, steps = features, None, []
+        for step in range(unroll):
+            mask = torch.cat([causal] + [own_chain] * step, 1)
+            inputs, keys, values = self(inputs, embeddings[:, step : step + tokens], positions + step, mask, past)
+            past = (keys, values) if past is None else (torch.cat([past[0], keys], 1), torch.cat([past[1], values], 1))
+            steps.append(inputs)
+        return steps
+
+    def loss(self, features: torch.Tensor, embeddings: torch.Tensor, positions: torch.Tensor, labels: torch.Tensor,
+             lm_head: torch.Tensor, noise_scale: float, unroll: int) -> torch.Tensor:
+        """`unrolled` on noisy features, each step's feature regression plus token loss averaged. features [batch,
+        tokens + unroll, hidden] the target's, labels [batch, tokens + unroll - 1] the token after each next
+        feature (-100: no loss), lm_head [vocab, hidden] frozen (a slice of the vocabulary is enough)."""
+        tokens = positions.shape[1]
+        inputs = features[:, :tokens]
+        noisy = inputs + (torch.rand_like(inputs) - 0.5) * INPUT_NOISE * noise_scale
+        total = features.new_zeros(())
+        for step, predicted in enumerate(self.unrolled(noisy, embeddings, positions, unroll)):
+            step_labels = labels[:, step : step + tokens]
+            valid = step_labels != -100
+            feature_loss = F.smooth_l1_loss(predicted[valid], features[:, step + 1 : step + 1 + tokens][valid])
+            total = total + feature_loss + TOKEN_LOSS_WEIGHT * F.cross_entropy(predicted[valid] @ lm_head.T, step_labels[valid])
+        return total / unroll

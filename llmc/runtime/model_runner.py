@@ -6,7 +6,7 @@ import torch
 from llmc.errors import LlmcError
 from llmc.runtime.config import EngineConfig
 from llmc.runtime.cuda_graphs import DecodeGraphs
-from llmc.runtime.layers.attention import AttentionMetadata, DecodeGroup
+from llmc.runtime.layers.attention import AttentionMetadata, DecodeRows
 from llmc.runtime.layers.sampler import SampledToken, sample
 from llmc.runtime.loader import WeightLoader
 from llmc.runtime.models.llama import LlamaForCausalLM
@@ -96,22 +96,40 @@ class ModelRunner:
             seq_lens=seq_lens,
             query_lens=query_lens,
             num_decodes=num_decodes,
-            decode_groups=[self._decode_group(seq) for seq in decode_seqs] if verifying else None,
+            decode_rows=self._decode_rows(decode_seqs) if verifying else None,
         )
         return tensor(input_ids), tensor(positions), metadata
 
-    def _decode_group(self, seq: Sequence) -> DecodeGroup:
-        """The last token, then every draft node, at cache position len(seq) + node; a node on the chain from the
-        last token attends to a plain prefix, the others to the prefix of real tokens plus their ancestors."""
+    def _decode_rows(self, seqs: list[Sequence]) -> list[DecodeRows]:
+        """Every decode row of the step, bucketed by the number of key slots it reads."""
+        buckets: dict[int, list[tuple[int, torch.Tensor, int]]] = {}
+        rows = (row for seq in seqs for row in self._row_keys(seq))
+        for index, (slots, length) in enumerate(rows):
+            buckets.setdefault(len(slots), []).append((index, slots, length))
+        return [
+            DecodeRows(torch.tensor(indices, device=self.device), torch.stack(slots), torch.tensor(lengths, device=self.device))
+            for indices, slots, lengths in (zip(*bucket) for bucket in buckets.values())
+        ]
+
+    def _row_keys(self, seq: Sequence) -> list[tuple[torch.Tensor, int]]:
+        """The cache slots each of seq's decode rows reads, padded to whole blocks, and how many of them count: the
+        last token, then every draft node (cache position len(seq) + node). A node on the chain from the last token
+        reads a plain prefix, like decoding it would; the others the prefix of real tokens plus their ancestors."""
         end = seq.num_computed_tokens + seq.num_scheduled_tokens
         tree = seq.draft.truncated(max(0, end - len(seq)))
-        prefix_lens, branches = [end - len(tree)], [[]]
+        rows: list[tuple[int, list[int]]] = [(end - len(tree), [])]
         for node in range(len(tree)):
             path = tree.path(node)
             on_chain = path == list(range(node + 1))
-            prefix_lens.append(len(seq) + node + 1 if on_chain else len(seq))
-            branches.append([] if on_chain else [len(seq) + ancestor for ancestor in path])
-        return DecodeGroup(self._block_slots(seq, end), prefix_lens, branches)
+            rows.append((len(seq) + node + 1, []) if on_chain else (len(seq), [len(seq) + ancestor for ancestor in path]))
+        seq_slots = self._block_slots(seq, end)
+        keys = []
+        for prefix_len, branch in rows:
+            length = prefix_len + len(branch)
+            padding = [0] * (-length % self.block_size)  # position 0, masked
+            index = torch.cat([torch.arange(prefix_len), torch.tensor(branch + padding, dtype=torch.long)])
+            keys.append((seq_slots[index.to(self.device)], length))
+        return keys
 
     def _block_slots(self, seq: Sequence, num_positions: int) -> torch.Tensor:
         """Every cache slot of the blocks holding the first num_positions positions; the tail past them is masked."""

@@ -13,13 +13,14 @@ FP8_KV = QuantArgs(num_bits=8, type="float", strategy="channel")
 
 
 @dataclass(slots=True)
-class DecodeGroup:
-    """One sequence's decode rows when a step verifies drafts: row i attends to the first prefix_lens[i] positions
-    of the sequence, then to the positions branches[i] (a tree node's ancestors among the drafts)."""
+class DecodeRows:
+    """Decode rows of equal padded length, attended in one matmul: each row over its own key positions padded to
+    whole blocks. A row's result does not depend on the rows beside it, so a draft row computes bit for bit what
+    decoding its token would, and a tree node sees only its ancestors among the drafts."""
 
-    slots: torch.Tensor  # cache slot of every position, in whole blocks
-    prefix_lens: list[int]
-    branches: list[list[int]]
+    rows: torch.Tensor  # [r] index among the step's decode rows
+    slots: torch.Tensor  # [r, padded_len] cache slot of each key position; past `lengths`, any slot (masked)
+    lengths: torch.Tensor  # [r] key positions each row attends to
 
 
 @dataclass(slots=True)
@@ -30,7 +31,7 @@ class AttentionMetadata:
     seq_lens: list[int]  # context_lens as Python ints
     query_lens: list[int]  # new tokens per sequence
     num_decodes: int  # the first num_decodes sequences have exactly one new token
-    decode_groups: list[DecodeGroup] | None = None  # when drafts are verified: the decode rows, one by one
+    decode_rows: list[DecodeRows] | None = None  # when drafts are verified: the decode rows, by padded length
 
 
 def store_kv(cache: torch.Tensor, slot_mapping: torch.Tensor, states: torch.Tensor, kv_scale: torch.Tensor | None) -> None:
@@ -60,17 +61,31 @@ def decode_attention_reference(
     context_lens: torch.Tensor, scale: float, k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """One query token per sequence: [num_seqs, heads, head_dim] -> same shape. Plain matmuls in float32: for a
-    single query, torch's CPU flash-attention kernel is twice as slow. One sequence at a time over its own blocks:
-    batched, the matmuls sum in another order, and in bfloat16 that changes greedy choices with the batch.
-    k_scale / v_scale: [kv_heads], FP8 caches."""
+    single query, torch's CPU flash-attention kernel is twice as slow. Sequences are attended together only with
+    those holding as many blocks: padded to another length, the matmuls would sum in another order, and in
+    bfloat16 that changes greedy choices with the batch. k_scale / v_scale: [kv_heads], FP8 caches."""
     block_size = k_cache.shape[1]
-    outputs = []
-    for row, context_len in enumerate(context_lens.tolist()):
-        blocks = block_tables[row, : -(-context_len // block_size)]
-        keys = read_kv(k_cache[blocks].flatten(0, 1), k_scale, torch.float32)[None]
-        values = read_kv(v_cache[blocks].flatten(0, 1), v_scale, torch.float32)[None]
-        outputs.append(attend_gathered(query[row : row + 1], keys, values, context_lens[row : row + 1], scale))
-    return torch.cat(outputs)
+    num_blocks = (context_lens + block_size - 1) // block_size
+    buckets = []
+    for count in num_blocks.unique().tolist():
+        rows = (num_blocks == count).nonzero().flatten()
+        slots = block_tables[rows, :count, None] * block_size + torch.arange(block_size, device=query.device)
+        buckets.append(DecodeRows(rows, slots.flatten(1), context_lens[rows]))
+    return attend_rows(query, k_cache, v_cache, buckets, scale, k_scale, v_scale)
+
+
+def attend_rows(
+    query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, buckets: list[DecodeRows], scale: float,
+    k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Decode rows [rows, heads, head_dim], each bucket in one matmul over its rows' own key positions."""
+    k_flat, v_flat = k_cache.flatten(0, 1), v_cache.flatten(0, 1)
+    out = torch.empty_like(query)
+    for bucket in buckets:
+        keys = read_kv(k_flat[bucket.slots], k_scale, torch.float32)
+        values = read_kv(v_flat[bucket.slots], v_scale, torch.float32)
+        out[bucket.rows] = attend_gathered(query[bucket.rows], keys, values, bucket.lengths, scale)
+    return out
 
 
 def attend_gathered(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, context_lens: torch.Tensor, scale: float) -> torch.Tensor:
@@ -85,31 +100,6 @@ def attend_gathered(query: torch.Tensor, keys: torch.Tensor, values: torch.Tenso
     scores.masked_fill_(padding[:, None, None, :], float("-inf"))
     out = torch.einsum("bhgl,blhd->bhgd", scores.softmax(-1), values)
     return out.reshape(num_seqs, num_heads, head_dim).to(query.dtype)
-
-
-def decode_rows_one_by_one(
-    query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, groups: list[DecodeGroup], scale: float,
-    k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """Decode rows of a step that verifies drafts, one by one like decode_attention_reference's, over exactly their
-    positions padded to whole blocks: a draft row computes bit for bit what decoding its token would, and a tree
-    node skips the other branches. Each sequence's keys are gathered once."""
-    block_size = k_cache.shape[1]
-    outputs = []
-    for group in groups:
-        keys = read_kv(k_cache.flatten(0, 1)[group.slots], k_scale, torch.float32)
-        values = read_kv(v_cache.flatten(0, 1)[group.slots], v_scale, torch.float32)
-        for prefix_len, branch in zip(group.prefix_lens, group.branches):
-            length = prefix_len + len(branch)
-            padded = -(-length // block_size) * block_size
-            if branch:  # padding reads position 0, masked
-                index = torch.tensor(list(range(prefix_len)) + branch + [0] * (padded - length), device=query.device)
-                row_keys, row_values = keys[index], values[index]
-            else:
-                row_keys, row_values = keys[:padded], values[:padded]
-            row = query[len(outputs) : len(outputs) + 1]
-            outputs.append(attend_gathered(row, row_keys[None], row_values[None], torch.tensor([length], device=query.device), scale))
-    return torch.cat(outputs)
 
 
 def prefill_attention_reference(
@@ -146,9 +136,9 @@ class PagedAttention(nn.Module):
         store_kv(self.v_cache, metadata.slot_mapping, v, self.v_scale)
         num_decodes = metadata.num_decodes
         outputs = []
-        if metadata.decode_groups is not None:
-            outputs.append(decode_rows_one_by_one(
-                q[:num_decodes], self.k_cache, self.v_cache, metadata.decode_groups, self.scale, self.k_scale, self.v_scale,
+        if metadata.decode_rows is not None:
+            outputs.append(attend_rows(
+                q[:num_decodes], self.k_cache, self.v_cache, metadata.decode_rows, self.scale, self.k_scale, self.v_scale,
             ))
         elif num_decodes:
             outputs.append(self.decode_attention(
