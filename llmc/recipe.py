@@ -209,11 +209,18 @@ class DraftConfig(StrictModel):
     prompts: str = "calib_data/draft_prompts.jsonl"
     num_prompts: int = Field(2269, gt=0)
     max_tokens: int = Field(128, gt=0)  # answer length generated per prompt
-    steps: int = Field(300, gt=0)
-    batch_size: int = Field(128, gt=0)  # rows (tokens) per step; EAGLE takes them as windows of 128 tokens
+    steps: int | None = Field(None, gt=0)  # default: 300 for Medusa, 1500 for EAGLE
+    batch_size: int | None = Field(None, gt=0)  # rows (tokens) per step, default 128; EAGLE: windows of 128 tokens, default 512
     lr: float = Field(1e-3, gt=0)
     unroll: int = Field(3, gt=0, le=8)  # EAGLE: drafting steps unrolled in training, each fed the previous one's guess
     seed: int = 0
+
+    @model_validator(mode="after")
+    def _method_defaults(self) -> "DraftConfig":
+        eagle = self.method == "eagle"
+        self.steps = self.steps or (1500 if eagle else 300)
+        self.batch_size = self.batch_size or (512 if eagle else 128)
+        return self
 
 
 class Recipe(StrictModel):

@@ -20,6 +20,8 @@ from llmc.runtime.engine import LLMEngine
 from llmc.runtime.sampling_params import SamplingParams
 from llmc.runtime.sequence import Sequence
 
+HIDDEN_PASS_SEQS = 16  # sequences per forward when reading the answers back
+
 
 @dataclass(slots=True)
 class DistillSet:
@@ -54,15 +56,26 @@ def self_distill(artifact: Path, prompts_file: Path, num_prompts: int, max_token
     hidden_size = engine.runner.hf_config.hidden_size
     lm_head = engine.runner.model.compute_logits(torch.eye(hidden_size, dtype=engine.config.dtype)).T.float()
     data = DistillSet([], [], [], lm_head)
-    for answered in tqdm(seqs, desc="target hidden states", unit="answer"):
-        seq = Sequence(answered.token_ids, SamplingParams(), engine.config.block_size)
+    with tqdm(total=len(seqs), desc="target hidden states", unit="answer") as progress:
+        for first in range(0, len(seqs), HIDDEN_PASS_SEQS):
+            answered = seqs[first : first + HIDDEN_PASS_SEQS]
+            data.hidden += target_hidden_states(engine, [seq.token_ids for seq in answered])
+            data.token_ids += [seq.token_ids for seq in answered]
+            data.answer_starts += [seq.num_prompt_tokens for seq in answered]
+            progress.update(len(answered))
+    return data
+
+
+def target_hidden_states(engine: LLMEngine, token_ids: list[list[int]]) -> list[torch.Tensor]:
+    """The final hidden states of every token but the last of each sequence, in one prefill forward."""
+    seqs = [Sequence(ids, SamplingParams(), engine.config.block_size) for ids in token_ids]
+    for seq in seqs:
         engine.block_manager.allocate(seq)
         seq.num_scheduled_tokens = len(seq)
-        data.hidden.append(engine.runner.forward([seq])[:-1].float())
+    hidden = engine.runner.forward(seqs).float().split([len(seq) for seq in seqs])
+    for seq in seqs:
         engine.block_manager.free(seq)
-        data.token_ids.append(seq.token_ids)
-        data.answer_starts.append(answered.num_prompt_tokens)
-    return data
+    return [states[:-1] for states in hidden]
 
 
 def cached_self_distill(artifact: Path, prompts_file: Path, num_prompts: int, max_tokens: int) -> DistillSet:

@@ -64,7 +64,7 @@ class EagleDraft(nn.Module):
             q.transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2), attn_mask=mask, enable_gqa=True
         )
         x = x + self.o_proj(attended.transpose(1, 2).flatten(2))
-        mlp_in = self.post_attention_layernorm(x)
+        mlp_in = self.post_attention_layernorm(x.to(self.post_attention_layernorm.weight.dtype))  # float32 under autocast
         return x + self.down_proj(F.silu(self.gate_proj(mlp_in)) * self.up_proj(mlp_in)), k, v
 
     def unrolled(self, features: torch.Tensor, embeddings: torch.Tensor, positions: torch.Tensor, unroll: int) -> list[torch.Tensor]:
