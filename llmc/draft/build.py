@@ -80,9 +80,10 @@ def train_eagle(data: DistillSet, config: DraftConfig, folder: Path, artifact: P
     leads to. Only answer tokens are learned, with the cross-entropy over the tokens the set holds; the draft
     guesses among those and the tokenizer's first ids."""
     embeddings = WeightLoader(artifact, torch.float32, "cpu").tensor("model.embed_tokens.weight")
-    window_len = min(EAGLE_WINDOW, max(len(ids) for ids in data.token_ids) - config.unroll - 1)
+    unroll = config.unroll
+    window_len = min(EAGLE_WINDOW, max(len(ids) for ids in data.token_ids) - unroll - 1)
     seqs = [(torch.tensor(ids), hidden, start) for ids, hidden, start in zip(data.token_ids, data.hidden, data.answer_starts)
-            if len(ids) >= window_len + config.unroll + 1 and start + 1 < len(ids)]
+            if len(ids) >= window_len + unroll + 1 and start + 1 < len(ids)]
     vocab = torch.unique(torch.cat([ids for ids, _, _ in seqs]))
     to_vocab = torch.full((len(data.lm_head),), -100, dtype=torch.long)
     to_vocab[vocab] = torch.arange(len(vocab))
@@ -94,7 +95,6 @@ def train_eagle(data: DistillSet, config: DraftConfig, folder: Path, artifact: P
     draft.vocab.copy_(draft_vocab)
     generator = torch.Generator().manual_seed(config.seed)
     num_windows = max(1, config.batch_size // window_len)
-    unroll = config.unroll
 
     def window(ids: torch.Tensor, hidden: torch.Tensor, answer_start: int) -> tuple[torch.Tensor, ...]:
         """Pairs start..end - 1, and the unroll - 1 features and tokens past them that the deeper steps need."""
