@@ -166,9 +166,10 @@ def inspect(artifact: Path, as_json: bool) -> None:
 
 @cli.command(name="train-draft")
 @click.argument("artifact", type=click.Path(path_type=Path))
-@click.option("--prompts", type=click.Path(path_type=Path), help="JSONL training prompts (default: the project's calib_data set).")
+@click.option("--prompts", type=click.Path(path_type=Path), multiple=True,
+              help="JSONL training prompts, repeatable (default: the project's two calib_data sets).")
 @click.option("--set", "overrides", multiple=True, metavar="FIELD=VALUE", help="Set a `draft:` field, e.g. --set steps=600.")
-def train_draft_command(artifact: Path, prompts: Path | None, overrides: tuple[str, ...]) -> None:
+def train_draft_command(artifact: Path, prompts: tuple[Path, ...], overrides: tuple[str, ...]) -> None:
     """Train draft heads on ARTIFACT's own answers and store them in ARTIFACT/draft."""
     import yaml
     from pydantic import ValidationError
@@ -177,7 +178,7 @@ def train_draft_command(artifact: Path, prompts: Path | None, overrides: tuple[s
     from llmc.recipe import DraftConfig
 
     fields = dict(override.partition("=")[::2] for override in overrides)
-    fields = {key: yaml.safe_load(value) for key, value in fields.items()} | ({"prompts": str(prompts)} if prompts else {})
+    fields = {key: yaml.safe_load(value) for key, value in fields.items()} | ({"prompts": [str(file) for file in prompts]} if prompts else {})
     try:
         config = DraftConfig.model_validate(fields)
     except ValidationError as error:

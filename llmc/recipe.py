@@ -4,7 +4,7 @@ from pathlib import Path
 from typing import Annotated, Any, ClassVar, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from llmc.errors import LlmcError
 from llmc.quant.qtypes import QuantArgs
@@ -206,14 +206,21 @@ class DraftConfig(StrictModel):
 
     method: Literal["medusa", "eagle"] = "medusa"
     num_heads: int = Field(4, gt=0, le=8)  # Medusa heads
-    prompts: str = "calib_data/draft_prompts.jsonl"
-    num_prompts: int = Field(2269, gt=0)
+    # JSONL prompt files, each self-distilled and cached on its own: the project's templated requests and the
+    # requests the default model itself writes (calib_data/README.md)
+    prompts: list[str] = ["calib_data/draft_prompts.jsonl", "calib_data/sampled_prompts.jsonl"]
+    num_prompts: int | None = Field(None, gt=0)  # at most this many prompts of each file; None: all of them
     max_tokens: int = Field(128, gt=0)  # answer length generated per prompt
     steps: int | None = Field(None, gt=0)  # default: 300 for Medusa, 1500 for EAGLE
     batch_size: int | None = Field(None, gt=0)  # rows (tokens) per step, default 128; EAGLE: windows of 128 tokens, default 512
     lr: float = Field(1e-3, gt=0)
     unroll: int = Field(3, gt=0, le=8)  # EAGLE: drafting steps unrolled in training, each fed the previous one's guess
     seed: int = 0
+
+    @field_validator("prompts", mode="before")
+    @classmethod
+    def _one_file_or_many(cls, value):
+        return [value] if isinstance(value, str) else value
 
     @model_validator(mode="after")
     def _method_defaults(self) -> "DraftConfig":

@@ -2,14 +2,15 @@ import json
 
 import pytest
 import torch
+import torch.nn.functional as F
 from click.testing import CliRunner
 
 from conftest import write_recipe
 from llmc.artifact.inspect import describe_artifact
 from llmc.cli import cli
-from llmc.draft.build import train_draft
+from llmc.draft.build import most_frequent_tokens, train_draft
 from llmc.draft.data import DistillSet, cached_self_distill, load_distill_set, save_distill_set
-from llmc.draft.eagle import EagleDraft, EagleShape
+from llmc.draft.eagle import OUT_OF_VOCAB, TOKEN_LOSS_WEIGHT, EagleDraft, EagleShape
 from llmc.draft.medusa import MedusaHeads, medusa_labels
 from llmc.draft.train import CHECKPOINT, TrainConfig, train
 from llmc.errors import LlmcError
@@ -50,13 +51,15 @@ def test_training_resumes_from_its_checkpoint(tmp_path):
 @pytest.mark.parametrize("method", ["medusa", "eagle"])
 def test_recipe_draft_trains_heads_into_the_artifact(tmp_path, tiny_llama, calib_file, monkeypatch, method):
     monkeypatch.setenv("LLMC_HOME", str(tmp_path / "home"))  # the distillation cache
+    more_prompts = tmp_path / "more.jsonl"
+    more_prompts.write_text('{"prompt": "Name three rivers."}\n{"prompt": "Why is the sky blue?"}\n')
     recipe = write_recipe(tmp_path / "r.yaml", tiny_llama, tmp_path / "out", STAGE, calib_file)
-    recipe.write_text(recipe.read_text() + f"draft:\n  method: {method}\n  prompts: {calib_file}\n  num_prompts: 6\n"
-                      "  max_tokens: 24\n  num_heads: 2\n  steps: 30\n  batch_size: 32\n")
+    recipe.write_text(recipe.read_text() + f"draft:\n  method: {method}\n  prompts: [{calib_file}, {more_prompts}]\n"
+                      "  num_prompts: 6\n  max_tokens: 24\n  num_heads: 2\n  steps: 30\n  batch_size: 32\n")
     artifact = run_quantize(load_recipe(recipe, ["calibration.num_samples=2"]))
     assert {path.name for path in (artifact / "draft").iterdir()} == {"config.json", "heads.safetensors", "loss.png"}
     info = describe_artifact(artifact)
-    assert info["draft"]["method"] == method and info["draft"]["trained_on"]["num_answers"] == 4
+    assert info["draft"]["method"] == method and info["draft"]["trained_on"]["num_answers"] == 4 + 2  # distinct prompts
     assert "draft/heads.safetensors" in info["manifest"]["files"]
     histogram = tmp_path / "accepted.png"
     run = CliRunner().invoke(cli, ["eval", str(artifact), "--speculative", "auto", "--prompts", str(calib_file), "--num-prompts", "2",
@@ -67,7 +70,28 @@ def test_recipe_draft_trains_heads_into_the_artifact(tmp_path, tiny_llama, calib
     assert {"batch1", "concurrency2", "acceptance_per_position"} <= set(result)
     assert result["identical_outputs"] == 2 and {"speedup", "served_speedup"} <= set(result["concurrency2"])
     cached_self_distill(artifact, calib_file, 6, 24)  # the heads now in the artifact do not change the cache key
-    assert len(list((tmp_path / "home" / "distill").glob("*.safetensors"))) == 1
+    cached_self_distill(artifact, more_prompts, 6, 24)
+    assert len(list((tmp_path / "home" / "distill").glob("*.safetensors"))) == 2  # one per prompt file
+
+
+def test_draft_vocabulary_is_the_answers_most_frequent_tokens():
+    answers = [torch.tensor([7, 7, 3, 9]), torch.tensor([3, 7, 5, 5, 2])]
+    assert most_frequent_tokens(answers, 12, 3).tolist() == [3, 5, 7]  # counts 7: 3, 3: 2, 5: 2, then 2 and 9: 1
+    assert most_frequent_tokens(answers, 12, 100).tolist() == [2, 3, 5, 7, 9]  # never a token no answer uses
+
+
+def test_eagle_learns_only_the_feature_of_a_token_outside_its_vocabulary():
+    torch.manual_seed(0)
+    shape = EagleShape(hidden_size=16, num_heads=2, num_kv_heads=1, intermediate_size=32, rope_theta=10000.0, rms_norm_eps=1e-6,
+                       draft_vocab_size=10)
+    draft, lm_head = EagleDraft(shape), torch.randn(10, 16)
+    features, embeddings, positions = torch.randn(1, 5, 16), torch.randn(1, 4, 16), torch.arange(4)[None]
+    labels = torch.tensor([[-100, 3, OUT_OF_VOCAB, 6]])
+    predicted = draft.unrolled(features[:, :4], embeddings, positions, 1)[0]
+    answer = torch.tensor([False, True, True, True])
+    expected = F.smooth_l1_loss(predicted[0, answer], features[0, 1:][answer])
+    expected = expected + TOKEN_LOSS_WEIGHT * F.cross_entropy(predicted[0, [1, 3]] @ lm_head.T, torch.tensor([3, 6]))
+    assert torch.allclose(draft.loss(features, embeddings, positions, labels, lm_head, 0.0, unroll=1), expected)
 
 
 def test_distillation_set_round_trips_through_safetensors(tmp_path):

@@ -9,7 +9,7 @@ from transformers import AutoConfig
 
 from llmc.artifact.writer import MANIFEST, write_manifest
 from llmc.draft.data import DistillSet, cached_self_distill
-from llmc.draft.eagle import EagleDraft, EagleShape
+from llmc.draft.eagle import OUT_OF_VOCAB, EagleDraft, EagleShape
 from llmc.draft.medusa import MedusaHeads, medusa_labels
 from llmc.draft.store import DRAFT_DIR, save_draft, save_heads
 from llmc.draft.train import TrainConfig, train
@@ -18,14 +18,14 @@ from llmc.recipe import DraftConfig
 from llmc.runtime.loader import WeightLoader
 
 EAGLE_WINDOW = 128  # tokens per training window (fewer when the answers are shorter)
-DRAFT_VOCAB_FIRST_IDS = 16384  # BPE ids come roughly in merge order, the frequent tokens first
+DRAFT_VOCAB_SIZE = 8192  # the draft guesses among the answers' most frequent tokens: its LM head costs a sixth of the target's
 
 
 def train_draft(artifact: Path, config: DraftConfig) -> Path:
     if not (artifact / MANIFEST).is_file():
         raise LlmcError(f"{artifact} is not an llmc artifact (no {MANIFEST})")
     started = time.perf_counter()
-    data = cached_self_distill(artifact, Path(config.prompts), config.num_prompts, config.max_tokens)
+    data = DistillSet.joined([cached_self_distill(artifact, Path(file), config.num_prompts, config.max_tokens) for file in config.prompts])
     distill_s = time.perf_counter() - started
     folder = artifact / DRAFT_DIR
     if config.method == "eagle":
@@ -75,24 +75,30 @@ def eagle_shape(artifact: Path, draft_vocab_size: int) -> EagleShape:
                       hf.rms_norm_eps, draft_vocab_size)
 
 
+def most_frequent_tokens(answers: list[torch.Tensor], vocab_size: int, size: int) -> torch.Tensor:
+    """The `size` token ids the answers use most (fewer when they use fewer), in id order."""
+    counts = torch.bincount(torch.cat(answers), minlength=vocab_size)
+    used = int((counts > 0).sum())
+    return counts.argsort(descending=True, stable=True)[: min(size, used)].sort().values
+
+
 def train_eagle(data: DistillSet, config: DraftConfig, folder: Path, artifact: Path) -> dict:
     """Windows of (feature at t, token t + 1) pairs; the draft learns the feature at t + 1 and the token t + 2 it
-    leads to. Only answer tokens are learned, with the cross-entropy over the tokens the set holds; the draft
-    guesses among those and the tokenizer's first ids."""
+    leads to. Only answer tokens are learned, with the cross-entropy over the draft's vocabulary (the answers' most
+    frequent tokens: a rarer one is learned through its feature alone)."""
     embeddings = WeightLoader(artifact, torch.float32, "cpu").tensor("model.embed_tokens.weight")
     unroll = config.unroll
     window_len = min(EAGLE_WINDOW, max(len(ids) for ids in data.token_ids) - unroll - 1)
     seqs = [(torch.tensor(ids), hidden, start) for ids, hidden, start in zip(data.token_ids, data.hidden, data.answer_starts)
             if len(ids) >= window_len + unroll + 1 and start + 1 < len(ids)]
-    vocab = torch.unique(torch.cat([ids for ids, _, _ in seqs]))
-    to_vocab = torch.full((len(data.lm_head),), -100, dtype=torch.long)
+    vocab = most_frequent_tokens([ids[start:] for ids, _, start in seqs], len(data.lm_head), DRAFT_VOCAB_SIZE)
+    to_vocab = torch.full((len(data.lm_head),), OUT_OF_VOCAB, dtype=torch.long)
     to_vocab[vocab] = torch.arange(len(vocab))
     lm_head = data.lm_head[vocab]
     noise_scale = torch.cat([hidden for _, hidden, _ in seqs]).pow(2).mean().sqrt().item()
-    draft_vocab = torch.unique(torch.cat([vocab, torch.arange(min(DRAFT_VOCAB_FIRST_IDS, len(data.lm_head)))]))
-    shape = eagle_shape(artifact, len(draft_vocab))
+    shape = eagle_shape(artifact, len(vocab))
     draft = EagleDraft(shape)
-    draft.vocab.copy_(draft_vocab)
+    draft.vocab.copy_(vocab)
     generator = torch.Generator().manual_seed(config.seed)
     num_windows = max(1, config.batch_size // window_len)
 

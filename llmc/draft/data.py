@@ -1,6 +1,7 @@
 """Self-distillation: the quantized target answers the training prompts with the runtime engine (greedy, as it
 will be served), then reads each prompt + answer once more to give the hidden states the heads learn from. The set
-is cached (safetensors) under LLMC_HOME/distill, keyed by the artifact, the prompts and the lengths."""
+is cached (safetensors) under LLMC_HOME/distill, one file per prompt file, keyed by the artifact, the prompts and the
+lengths."""
 import hashlib
 import json
 from dataclasses import dataclass
@@ -14,7 +15,7 @@ from llmc.artifact.writer import MANIFEST
 from llmc.draft.store import DRAFT_DIR
 from llmc.errors import LlmcError
 from llmc.models.spec import llmc_home
-from llmc.runtime.bench import load_prompts
+from llmc.runtime.bench import load_prompts, read_prompt_texts
 from llmc.runtime.config import EngineConfig
 from llmc.runtime.engine import LLMEngine
 from llmc.runtime.sampling_params import SamplingParams
@@ -29,6 +30,14 @@ class DistillSet:
     hidden: list[torch.Tensor]  # [len - 1, hidden] float32 final hidden states, one per token but the last
     answer_starts: list[int]  # index of the first answer token
     lm_head: torch.Tensor  # [vocab, hidden] float32, the target's output projection as served
+
+    @classmethod
+    def joined(cls, parts: list["DistillSet"]) -> "DistillSet":
+        """Sets distilled from one model (one LM head) on several prompt files, as one."""
+        return cls(
+            [ids for part in parts for ids in part.token_ids], [hidden for part in parts for hidden in part.hidden],
+            [start for part in parts for start in part.answer_starts], parts[0].lm_head,
+        )
 
     @property
     def num_answer_tokens(self) -> int:
@@ -78,8 +87,10 @@ def target_hidden_states(engine: LLMEngine, token_ids: list[list[int]]) -> list[
     return [states[:-1] for states in hidden]
 
 
-def cached_self_distill(artifact: Path, prompts_file: Path, num_prompts: int, max_tokens: int) -> DistillSet:
+def cached_self_distill(artifact: Path, prompts_file: Path, num_prompts: int | None, max_tokens: int) -> DistillSet:
+    """num_prompts: the first this many prompts of the file; None: all of them."""
     check_not_eval_set(prompts_file)
+    num_prompts = num_prompts or len(read_prompt_texts(prompts_file))
     manifest = json.loads((artifact / MANIFEST).read_text())
     manifest.pop("draft", None)  # the model, not the heads trained on it
     manifest["files"] = {name: digest for name, digest in manifest.get("files", {}).items() if not name.startswith(f"{DRAFT_DIR}/")}

@@ -9,6 +9,7 @@ from torch import nn
 from llmc.runtime.layers.rotary import rotate_half
 
 TOKEN_LOSS_WEIGHT = 0.1  # the token loss through the LM head, next to the feature regression
+OUT_OF_VOCAB = -1  # label of a token the draft cannot guess: its feature is learned, not the token
 INPUT_NOISE = 0.2  # uniform noise on input features in training, in units of the features' RMS: drafting feeds its own guesses back
 
 
@@ -88,14 +89,16 @@ class EagleDraft(nn.Module):
              lm_head: torch.Tensor, noise_scale: float, unroll: int) -> torch.Tensor:
         """`unrolled` on noisy features, each step's feature regression plus token loss averaged. features [batch,
         tokens + unroll, hidden] the target's, labels [batch, tokens + unroll - 1] the token after each next
-        feature (-100: no loss), lm_head [vocab, hidden] frozen (a slice of the vocabulary is enough)."""
+        feature as an index into lm_head (-100: no loss, OUT_OF_VOCAB: the feature loss only), lm_head [vocab,
+        hidden] frozen, the draft vocabulary's rows."""
         tokens = positions.shape[1]
         inputs = features[:, :tokens]
         noisy = inputs + (torch.rand_like(inputs) - 0.5) * INPUT_NOISE * noise_scale
         total = features.new_zeros(())
         for step, predicted in enumerate(self.unrolled(noisy, embeddings, positions, unroll)):
             step_labels = labels[:, step : step + tokens]
-            valid = step_labels != -100
-            feature_loss = F.smooth_l1_loss(predicted[valid], features[:, step + 1 : step + 1 + tokens][valid])
-            total = total + feature_loss + TOKEN_LOSS_WEIGHT * F.cross_entropy(predicted[valid] @ lm_head.T, step_labels[valid])
+            answer, in_vocab = step_labels != -100, step_labels >= 0
+            feature_loss = F.smooth_l1_loss(predicted[answer], features[:, step + 1 : step + 1 + tokens][answer])
+            token_loss = F.cross_entropy(predicted[in_vocab] @ lm_head.T, step_labels[in_vocab])
+            total = total + feature_loss + TOKEN_LOSS_WEIGHT * token_loss
         return total / unroll

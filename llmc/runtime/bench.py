@@ -30,9 +30,8 @@ class RequestResult:
     cancelled: bool = False
 
 
-def load_prompts(path: Path, num_prompts: int, tokenizer, chat_template: bool, shared_prefix_tokens: int) -> list[str]:
-    """First turns of MT-bench, the first `messages` turn, or the `prompt`/`text` field of any JSONL; reused in order
-    to reach num_prompts."""
+def read_prompt_texts(path: Path) -> list[str]:
+    """The first user turn of every row of a JSONL file: MT-bench `turns`, `messages`, or a `prompt`/`text` field."""
     if not path.is_file():
         raise LlmcError(f"prompt file not found: {path}")
     texts = []
@@ -43,6 +42,13 @@ def load_prompts(path: Path, num_prompts: int, tokenizer, chat_template: bool, s
             texts.append(text)
     if not texts:
         raise LlmcError(f"{path} has no rows with `turns`, `messages`, `prompt` or `text`")
+    return texts
+
+
+def load_prompts(path: Path, num_prompts: int, tokenizer, chat_template: bool, shared_prefix_tokens: int) -> list[str]:
+    """First turns of MT-bench, the first `messages` turn, or the `prompt`/`text` field of any JSONL; reused in order
+    to reach num_prompts."""
+    texts = read_prompt_texts(path)
     prefix = ""
     if shared_prefix_tokens:
         corpus = tokenizer.encode(" ".join(texts) * (1 + shared_prefix_tokens // 1000), add_special_tokens=False)
