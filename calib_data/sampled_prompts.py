@@ -1,6 +1,6 @@
 """Write calib_data/sampled_prompts.jsonl: user requests sampled from the default model itself, for training draft heads.
 
-    python calib_data/sampled_prompts.py            # about 12 minutes on 2 CPU cores
+    python calib_data/sampled_prompts.py            # about 14 minutes on 2 CPU cores
 
 The chat template is rendered up to where a user's message begins and the model writes the message (sampling,
 temperature 0.9, top-p 0.95, a seed per request), as an instruction-tuned model has learned what users ask (the
