@@ -12,7 +12,7 @@ console = Console()
 SPECULATIVE_SHAPE_OPTIONS = [
     click.option("--num-speculative-tokens", type=click.IntRange(min=1), help="Draft depth (default: one per Medusa head, 5 for EAGLE)."),
     click.option("--speculative-tree-nodes", type=click.IntRange(min=0), default=0, show_default=True,
-                 help="EAGLE: verify a tree of this many draft nodes, the most probable paths; 0 drafts a chain."),
+                 help="Verify a tree of this many draft nodes, the most probable paths; 0 drafts a chain."),
 ]
 
 

@@ -12,8 +12,8 @@ from llmc.runtime.engine import LLMEngine
 from llmc.runtime.sampling_params import SamplingParams
 from llmc.runtime.spec.acceptance import greedy_accept, rejection_sample
 from llmc.runtime.spec.governor import DraftGovernor
-from llmc.runtime.spec.proposers import most_probable_nodes
-from llmc.runtime.spec.tree import DraftTree
+from llmc.runtime.spec.proposers import add_level, most_probable_nodes
+from llmc.runtime.spec.tree import ROOT, DraftTree
 
 
 @pytest.fixture(scope="module")
@@ -57,18 +57,31 @@ def test_eagle_tree_keeps_the_most_probable_paths():
     assert kept == DraftTree([1, 2, 3], [-1, -1, 0])
 
 
+def test_a_tree_level_keeps_the_most_probable_paths_below_any_node():
+    tree, scores = DraftTree(), []
+    first = add_level(tree, scores, [ROOT], torch.tensor([[-0.1, -1.0]]), torch.tensor([[5, 6]]))
+    assert first == [0, 1] and tree == DraftTree([5, 6], [ROOT, ROOT])
+    # both nodes offer the same guesses (Medusa's heads do not see the path): the best two paths of four are kept
+    second = add_level(tree, scores, first, torch.tensor([[-0.2, -0.5]] * 2), torch.tensor([[7, 8]] * 2))
+    assert second == [2, 3] and tree.tokens[2:] == [7, 8] and tree.parents[2:] == [0, 0]
+    assert scores == pytest.approx([-0.1, -1.0, -0.3, -0.6])
+    third = add_level(tree, scores, second, torch.tensor([[-0.1, -2.0], [-0.1, -2.0]]), torch.tensor([[9, 4], [3, 9]]))
+    assert [tree.parents[node] for node in third] == [2, 3] and [tree.tokens[node] for node in third] == [9, 3]
+
+
 def build(model: Path, **kwargs) -> LLMEngine:
     settings = {"num_kv_blocks": 48, "adaptive_speculation": False} | kwargs  # draft every step unless a test says so
     return LLMEngine(model, EngineConfig(dtype=torch.float32, block_size=4, **settings))
 
 
+@pytest.mark.parametrize("tree_nodes", [0, 6], ids=["chain", "tree"])
 @pytest.mark.parametrize("max_num_seqs, max_num_batched_tokens", [(1, 512), (4, 512), (4, 7)])
-def test_greedy_speculative_output_equals_plain_decoding(tiny_llama, trained, max_num_seqs, max_num_batched_tokens):
+def test_greedy_speculative_output_equals_plain_decoding(tiny_llama, trained, tree_nodes, max_num_seqs, max_num_batched_tokens):
     draft, prompts = trained
     params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
     limits = dict(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens)
     plain = build(tiny_llama, **limits).generate(prompts, params)
-    engine = build(tiny_llama, speculative=draft, **limits)
+    engine = build(tiny_llama, speculative=draft, speculative_tree_nodes=tree_nodes, **limits)
     speculative = engine.generate(prompts, params)
     assert [out["token_ids"] for out in speculative] == [out["token_ids"] for out in plain]
     stats = engine.runner.speculator.stats
@@ -86,14 +99,28 @@ def test_speculation_turns_off_under_load(tiny_llama, trained):
 
 def test_governor_measures_both_ways_then_drafts_only_while_it_wins_probing_the_other_way():
     governor = DraftGovernor(probe_every=4)
-    assert governor.should_draft() is True  # nothing measured: try drafting first
-    governor.record(True, num_tokens=3, seconds=1.0)
-    assert governor.should_draft() is False  # then plain decoding
-    governor.record(False, num_tokens=2, seconds=1.0)
-    assert [governor.should_draft() for _ in range(6)] == [True, False, True, True, True, False]  # every 4th probes
+    assert governor.should_draft(1) is True  # nothing measured: try drafting first
+    governor.record(1, True, num_tokens=3, seconds=1.0)
+    assert governor.should_draft(1) is False  # then plain decoding
+    governor.record(1, False, num_tokens=2, seconds=1.0)
+    assert [governor.should_draft(1) for _ in range(6)] == [True, False, True, True, True, False]  # every 4th probes
     for _ in range(8):  # drafts stop paying: the moving average follows
-        governor.record(True, num_tokens=1, seconds=1.0)
-    assert governor.rates[True] < governor.rates[False] and [governor.should_draft() for _ in range(4)] == [False, False, False, True]
+        governor.record(1, True, num_tokens=1, seconds=1.0)
+    assert governor.rates[1, True] < governor.rates[1, False] and [governor.should_draft(1) for _ in range(4)] == [False, False, False, True]
+
+
+def test_governor_compares_rates_at_the_same_batch_size_only():
+    """Plain steps of 8 sequences output far more tokens per second than drafted steps of 2: that says nothing about
+    whether drafting pays at 2, which is measured both ways on its own."""
+    governor = DraftGovernor()
+    governor.record(8, False, num_tokens=8, seconds=0.1)
+    assert governor.should_draft(2) is True
+    governor.record(2, True, num_tokens=5, seconds=0.1)
+    assert governor.should_draft(2) is False
+    governor.record(2, False, num_tokens=2, seconds=0.05)
+    assert governor.should_draft(2) is True and governor.should_draft(8) is True  # 50 > 40 tokens/s at 2; 8 unmeasured drafted
+    governor.record(8, True, num_tokens=10, seconds=0.2)
+    assert governor.should_draft(8) is False and governor.should_draft(2) is True
 
 
 def test_adaptive_speculation_stops_drafting_when_verifying_costs_more_than_it_returns(tiny_llama, trained, monkeypatch):
@@ -102,7 +129,7 @@ def test_adaptive_speculation_stops_drafting_when_verifying_costs_more_than_it_r
     plain = build(tiny_llama).generate(prompts[:1], SamplingParams(temperature=0, max_tokens=40, ignore_eos=True))
     governor = engine.runner.speculator.governor
     record = governor.record
-    monkeypatch.setattr(governor, "record", lambda drafted, num_tokens, seconds: record(drafted, num_tokens, seconds * (50 if drafted else 1)))
+    monkeypatch.setattr(governor, "record", lambda num_seqs, drafted, num_tokens, seconds: record(num_seqs, drafted, num_tokens, seconds * (50 if drafted else 1)))
     served = engine.generate(prompts[:1], SamplingParams(temperature=0, max_tokens=40, ignore_eos=True))
     assert served[0]["token_ids"] == plain[0]["token_ids"]
     stats = engine.runner.speculator.stats

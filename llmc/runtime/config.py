@@ -18,6 +18,6 @@ class EngineConfig:
     enforce_eager: bool = False  # CUDA: run decode steps eagerly instead of replaying captured CUDA graphs
     speculative: Path | None = None  # a draft folder (config.json + heads) to propose tokens with
     num_speculative_tokens: int | None = None  # draft depth; None: one per Medusa head, 5 for EAGLE
-    speculative_tree_nodes: int = 0  # EAGLE: verify a tree of this many nodes, the most probable paths; 0: a chain
+    speculative_tree_nodes: int = 0  # verify a tree of this many nodes, the most probable paths; 0: a chain
     speculative_max_num_seqs: int = 4  # above this many sequences in a step, decode without drafts
     adaptive_speculation: bool = True  # draft only while measured decode throughput with drafts beats it without

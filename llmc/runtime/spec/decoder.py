@@ -61,7 +61,7 @@ class SpeculativeDecoder:
                 observed.append(Observed(seq, seq.num_computed_tokens, hidden[start:end], seq.token_ids[first : first + end - start], False))
         self._propose(observed, outputs)
         if self.governor is not None and decode_only:
-            self.governor.record(drafted, sum(map(len, outputs.values())), time.perf_counter() - started)
+            self.governor.record(len(seqs), drafted, sum(map(len, outputs.values())), time.perf_counter() - started)
         return outputs
 
     def _verify(self, seq: Sequence, tree: DraftTree, logits: torch.Tensor) -> tuple[list[int], list[SampledToken]]:
@@ -88,7 +88,7 @@ class SpeculativeDecoder:
 
     def _propose(self, observed: list[Observed], outputs: dict[Sequence, list[SampledToken]]) -> None:
         # under load the batch already fills the machine: drafts would only add work
-        drafting = len(observed) <= self.max_num_seqs and (self.governor is None or self.governor.should_draft())
+        drafting = len(observed) <= self.max_num_seqs and (self.governor is None or self.governor.should_draft(len(observed)))
         trees = self.proposer.propose(observed, drafting)
         for item in observed:
             seq = item.seq

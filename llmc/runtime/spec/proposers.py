@@ -13,7 +13,7 @@ from llmc.runtime.sequence import Sequence
 from llmc.runtime.spec.tree import ROOT, DraftTree
 
 EAGLE_DEPTH = 5  # default draft depth
-EAGLE_TOP_K = 4  # tokens expanded per node, and paths kept per level, when drafting a tree
+TREE_TOP_K = 4  # tokens expanded per node, and paths kept per level, when drafting a tree
 
 
 @dataclass(slots=True)
@@ -28,19 +28,31 @@ class Observed:
 
 
 class MedusaProposer:
-    """A chain of each head's top-1 guess from the last kept feature."""
+    """Head k's guesses fill level k + 1 of the tree. The heads guess independently of each other, so a path's
+    probability is the product of its heads' probabilities of its tokens: each level expands the top_k guesses of
+    its head under every node of the level above and keeps the top_k most probable paths (Medusa's tree attention);
+    the num_nodes most probable nodes are proposed. top_k 1 drafts a chain of each head's top-1 guess."""
 
-    def __init__(self, heads: nn.Module, model: LlamaForCausalLM, num_tokens: int):
+    def __init__(self, heads: nn.Module, model: LlamaForCausalLM, depth: int, num_nodes: int, top_k: int):
         self.heads, self.compute_logits = heads, model.compute_logits
-        self.max_depth = num_tokens
+        self.max_depth, self.num_nodes, self.top_k = depth, num_nodes, top_k
 
     def propose(self, observed: list[Observed], drafting: bool) -> dict:
         sampled = [item for item in observed if item.sampled]
         if not drafting or not sampled:
             return {}
         last = torch.stack([item.features[-1] for item in sampled])
-        guesses = self.compute_logits(self.heads(last)[: self.max_depth].flatten(0, 1)).argmax(-1).view(self.max_depth, -1)
-        return {item.seq: DraftTree.chain(guesses[:, column].tolist()) for column, item in enumerate(sampled)}
+        logits = self.compute_logits(self.heads(last)[: self.max_depth].flatten(0, 1)).view(self.max_depth, len(sampled), -1)
+        top = logits.float().log_softmax(-1).topk(self.top_k, dim=-1)  # [depth, sequences, top_k]
+        values, token_ids = top.values.cpu(), top.indices.cpu()
+        trees = {}
+        for column, item in enumerate(sampled):
+            tree, scores, frontier = DraftTree(), [], [ROOT]
+            for depth in range(self.max_depth):
+                guesses = values[depth, column].expand(len(frontier), -1), token_ids[depth, column].expand(len(frontier), -1)
+                frontier = add_level(tree, scores, frontier, *guesses)
+            trees[item.seq] = most_probable_nodes(tree, scores, self.num_nodes)
+        return trees
 
 
 @dataclass(slots=True)
@@ -98,21 +110,13 @@ class EagleProposer:
     def _draft(self, cache: EagleCache) -> DraftTree:
         tree, scores = DraftTree(), []
         keys, values = cache.keys, cache.values
-        frontier, frontier_features, frontier_scores = [ROOT], cache.last_output[None], torch.zeros(1)
+        frontier, frontier_features = [ROOT], cache.last_output[None]
         for depth in range(1, self.max_depth + 1):
-            logprobs = (frontier_features @ self.lm_head.T).float().log_softmax(-1).cpu()
-            top = logprobs.topk(self.top_k, dim=-1)
-            candidates = (frontier_scores[:, None] + top.values).flatten()
-            best = candidates.topk(min(self.top_k, len(candidates))).indices.tolist()
-            level = range(len(tree), len(tree) + len(best))
-            token_ids = self.draft.vocab[top.indices.flatten()].tolist()
-            for index in best:
-                tree.tokens.append(token_ids[index])
-                tree.parents.append(frontier[index // self.top_k])
-                scores.append(float(candidates[index]))
+            top = (frontier_features @ self.lm_head.T).float().log_softmax(-1).cpu().topk(self.top_k, dim=-1)
+            parents, level = frontier, add_level(tree, scores, frontier, top.values, self.draft.vocab[top.indices])
             if depth == self.max_depth:
                 break
-            parent_rows = [frontier.index(tree.parents[node]) for node in level]
+            parent_rows = [parents.index(tree.parents[node]) for node in level]
             visible = torch.ones(len(level), cache.keys.shape[1] + len(tree), dtype=torch.bool)
             visible[:, cache.keys.shape[1] :] = False
             for row, node in enumerate(level):
@@ -123,8 +127,25 @@ class EagleProposer:
                 frontier_features[parent_rows][None], embedded[None], positions, visible.to(keys.device), (keys, values)
             )
             keys, values = torch.cat([keys, new_keys], 1), torch.cat([values, new_values], 1)
-            frontier, frontier_features, frontier_scores = list(level), out[0], torch.tensor([scores[node] for node in level])
+            frontier, frontier_features = level, out[0]
         return most_probable_nodes(tree, scores, self.num_nodes)
+
+
+def add_level(tree: DraftTree, scores: list[float], frontier: list[int], logprobs: torch.Tensor, token_ids: torch.Tensor) -> list[int]:
+    """Grow the tree by one level: logprobs and token_ids [len(frontier), top_k] are each frontier node's best guesses
+    for the next token; of all (node, guess) pairs, the top_k most probable paths become the new level, whose nodes
+    are returned. scores holds each node's path log-probability."""
+    top_k = logprobs.shape[1]
+    frontier_scores = torch.tensor([0.0 if node == ROOT else scores[node] for node in frontier])
+    candidates = (frontier_scores[:, None] + logprobs).flatten()
+    best = candidates.topk(min(top_k, len(candidates))).indices.tolist()
+    token_ids = token_ids.flatten().tolist()
+    first = len(tree)
+    for index in best:
+        tree.tokens.append(token_ids[index])
+        tree.parents.append(frontier[index // top_k])
+        scores.append(float(candidates[index]))
+    return list(range(first, len(tree)))
 
 
 def most_probable_nodes(tree: DraftTree, scores: list[float], num_nodes: int) -> DraftTree:
@@ -137,10 +158,13 @@ def most_probable_nodes(tree: DraftTree, scores: list[float], num_nodes: int) ->
 
 
 def build_proposer(draft_config: dict, heads: nn.Module, model: LlamaForCausalLM, config: EngineConfig):
+    if draft_config["method"] not in ("medusa", "eagle"):
+        raise LlmcError(f"unknown draft method {draft_config['method']!r}")
     if draft_config["method"] == "medusa":
-        return MedusaProposer(heads, model, min(config.num_speculative_tokens or heads.num_heads, heads.num_heads))
-    if draft_config["method"] == "eagle":
+        depth = min(config.num_speculative_tokens or heads.num_heads, heads.num_heads)
+    else:
         depth = config.num_speculative_tokens or EAGLE_DEPTH
-        num_nodes = max(config.speculative_tree_nodes, depth)
-        return EagleProposer(heads, model, depth, num_nodes, EAGLE_TOP_K if num_nodes > depth else 1)
-    raise LlmcError(f"unknown draft method {draft_config['method']!r}")
+    num_nodes = max(config.speculative_tree_nodes, depth)
+    top_k = TREE_TOP_K if num_nodes > depth else 1
+    proposer = MedusaProposer if draft_config["method"] == "medusa" else EagleProposer
+    return proposer(heads, model, depth, num_nodes, top_k)
