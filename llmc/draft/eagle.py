@@ -24,12 +24,8 @@ class EagleShape:
     draft_vocab_size: int  # the draft guesses among these many tokens: a cheaper LM head
 
 
-def rotate(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tensor:
-    """RoPE on [..., tokens, heads, head_dim] at positions [..., tokens]."""
-    head_dim = x.shape[-1]
-    inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, device=x.device, dtype=torch.float32) / head_dim)
-    angles = positions[..., None].float() * inv_freq
-    cos, sin = torch.cat([angles.cos()] * 2, -1)[..., None, :], torch.cat([angles.sin()] * 2, -1)[..., None, :]
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """RoPE on [..., tokens, heads, head_dim] with cos, sin [..., tokens, 1, head_dim] of their positions."""
     return (x.float() * cos + rotate_half(x.float()) * sin).to(x.dtype)
 
 
@@ -47,6 +43,8 @@ class EagleDraft(nn.Module):
         self.up_proj = nn.Linear(hidden, shape.intermediate_size, bias=False)
         self.down_proj = nn.Linear(shape.intermediate_size, hidden, bias=False)
         self.register_buffer("vocab", torch.zeros(shape.draft_vocab_size, dtype=torch.long))  # token id of each draft guess
+        exponents = torch.arange(0, self.head_dim, 2, dtype=torch.float32) / self.head_dim
+        self.inv_freq = 1.0 / shape.rope_theta**exponents  # not a buffer: it stays float32 when the layer is cast
 
     def forward(
         self, features: torch.Tensor, embeddings: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor,
@@ -57,8 +55,10 @@ class EagleDraft(nn.Module):
         Returns the predicted next features and these tokens' keys and values."""
         batch, tokens, _ = features.shape
         x = self.fc(torch.cat([features, embeddings], -1))
-        q = rotate(self.q_proj(x).view(batch, tokens, -1, self.head_dim), positions, self.shape.rope_theta)
-        k = rotate(self.k_proj(x).view(batch, tokens, -1, self.head_dim), positions, self.shape.rope_theta)
+        angles = positions[..., None].float() * self.inv_freq.to(positions.device)
+        cos, sin = torch.cat([angles.cos()] * 2, -1)[..., None, :], torch.cat([angles.sin()] * 2, -1)[..., None, :]
+        q = rotate(self.q_proj(x).view(batch, tokens, -1, self.head_dim), cos, sin)
+        k = rotate(self.k_proj(x).view(batch, tokens, -1, self.head_dim), cos, sin)
         v = self.v_proj(x).view(batch, tokens, -1, self.head_dim)
         keys, values = (k, v) if past is None else (torch.cat([past[0], k], 1), torch.cat([past[1], v], 1))
         attended = F.scaled_dot_product_attention(
