@@ -1,3 +1,4 @@
+import time
 from pathlib import Path
 
 import pytest
@@ -103,10 +104,46 @@ def test_governor_measures_both_ways_then_drafts_only_while_it_wins_probing_the_
     governor.record(1, True, num_tokens=3, seconds=1.0)
     assert governor.should_draft(1) is False  # then plain decoding
     governor.record(1, False, num_tokens=2, seconds=1.0)
-    assert [governor.should_draft(1) for _ in range(6)] == [True, False, True, True, True, False]  # every 4th probes
+    assert [governor.should_draft(1) for _ in range(6)] == [True, True, True, False, True, True]  # the 4th probes
     for _ in range(8):  # drafts stop paying: the moving average follows
         governor.record(1, True, num_tokens=1, seconds=1.0)
     assert governor.rates[1, True] < governor.rates[1, False] and [governor.should_draft(1) for _ in range(4)] == [False, False, False, True]
+
+
+def test_governor_probes_a_steady_loser_less_and_less_and_starts_over_when_the_winner_changes():
+    governor = DraftGovernor(probe_every=16, max_probe_every=512)
+    governor.record(1, True, num_tokens=1, seconds=1.0)
+    governor.record(1, False, num_tokens=2, seconds=1.0)
+    probes = [index + 1 for index in range(2000) if governor.should_draft(1)]
+    assert probes == [16, 48, 112, 240, 496, 1008, 1520]  # waits of 16, 32, ... 512 decisions
+    governor.record(1, True, num_tokens=10, seconds=1.0)  # the last probe found drafts paying now
+    assert [governor.should_draft(1) for _ in range(16)] == [True] * 15 + [False]
+
+
+def test_a_step_is_charged_for_drafting_the_trees_it_verifies_not_the_next_ones(tiny_llama, trained, monkeypatch):
+    """Drafting happens at the end of a step, for the next one: counted in the step that drafts, a slow draft would
+    make plain steps that start drafting look slow and drafted steps that stop drafting look fast."""
+    draft, prompts = trained
+    engine = build(tiny_llama, speculative=draft, adaptive_speculation=True)
+    speculator = engine.runner.speculator
+    propose, recorded = speculator.proposer.propose, []
+
+    def slow_propose(observed, drafting):
+        if drafting:
+            time.sleep(0.2)
+        return propose(observed, drafting)
+
+    monkeypatch.setattr(speculator.proposer, "propose", slow_propose)
+    record = speculator.governor.record
+
+    def logged_record(num_seqs, drafted, num_tokens, seconds):
+        recorded.append((drafted, seconds))
+        record(num_seqs, drafted, num_tokens, seconds)
+
+    monkeypatch.setattr(speculator.governor, "record", logged_record)
+    engine.generate(prompts[:1], SamplingParams(temperature=0, max_tokens=24, ignore_eos=True))
+    assert {drafted for drafted, _ in recorded} == {True, False}
+    assert all((seconds >= 0.2) == drafted for drafted, seconds in recorded), recorded
 
 
 def test_governor_compares_rates_at_the_same_batch_size_only():

@@ -33,6 +33,7 @@ class SpeculativeDecoder:
         self.compute_logits = runner.model.compute_logits
         self.stats = SpecStats(self.num_tokens)
         self.governor = DraftGovernor() if config.adaptive_speculation else None
+        self.drafting_seconds = 0.0  # spent drafting the trees the next step verifies
 
     def step(self, seqs: list[Sequence], hidden: torch.Tensor, started: float) -> dict[Sequence, list[SampledToken]]:
         """hidden: the forward's rows, each sequence's scheduled chunk in order (prompt or last token, then nodes);
@@ -59,9 +60,14 @@ class SpeculativeDecoder:
             if seq not in outputs:  # a prefill chunk that does not reach the last token
                 first = seq.num_computed_tokens + 1
                 observed.append(Observed(seq, seq.num_computed_tokens, hidden[start:end], seq.token_ids[first : first + end - start], False))
-        self._propose(observed, outputs)
+        proposing = time.perf_counter()
+        drafting = self._propose(observed, outputs)
+        finished = time.perf_counter()
+        # a step's rate pays for the drafts it verified, drafted at the end of the step before, not for the next ones
+        seconds = (proposing if drafting else finished) - started + self.drafting_seconds
+        self.drafting_seconds = finished - proposing if drafting else 0.0
         if self.governor is not None and decode_only:
-            self.governor.record(len(seqs), drafted, sum(map(len, outputs.values())), time.perf_counter() - started)
+            self.governor.record(len(seqs), drafted, sum(map(len, outputs.values())), seconds)
         return outputs
 
     def _verify(self, seq: Sequence, tree: DraftTree, logits: torch.Tensor) -> tuple[list[int], list[SampledToken]]:
@@ -86,7 +92,8 @@ class SpeculativeDecoder:
             sources, targets = zip(*moves)
             self.kv_slots[:, :, self.slots(seq, list(targets))] = self.kv_slots[:, :, self.slots(seq, list(sources))]
 
-    def _propose(self, observed: list[Observed], outputs: dict[Sequence, list[SampledToken]]) -> None:
+    def _propose(self, observed: list[Observed], outputs: dict[Sequence, list[SampledToken]]) -> bool:
+        """Gives each sampled sequence its next draft tree; whether this step drafted."""
         # under load the batch already fills the machine: drafts would only add work
         drafting = len(observed) <= self.max_num_seqs and (self.governor is None or self.governor.should_draft(len(observed)))
         trees = self.proposer.propose(observed, drafting)
@@ -99,3 +106,4 @@ class SpeculativeDecoder:
             max_depth = min(self.num_tokens, seq.params.max_tokens - seq.num_output_tokens - num_new - 1)
             max_nodes = max(0, self.max_model_len - len(seq) - num_new)
             seq.draft = tree.truncated(min(max_nodes, sum(depth <= max_depth for depth in tree.depths)))
+        return drafting
