@@ -13,6 +13,8 @@ SPECULATIVE_SHAPE_OPTIONS = [
     click.option("--num-speculative-tokens", type=click.IntRange(min=1), help="Draft depth (default: one per Medusa head, 5 for EAGLE)."),
     click.option("--speculative-tree-nodes", type=click.IntRange(min=0), default=0, show_default=True,
                  help="Verify a tree of this many draft nodes, the most probable paths; 0 drafts a chain."),
+    click.option("--speculative-min-confidence", type=click.FloatRange(0, 1, max_open=True), default=0.0, show_default=True,
+                 help="Verify only draft nodes whose path the draft finds at least this probable, and draft no deeper."),
 ]
 
 
@@ -71,10 +73,11 @@ def quantize(recipe: Path, output: str | None, overrides: tuple[str, ...], overw
 def evaluate(targets: tuple[str, ...], perplexity_data: str | None, seq_len: int, max_windows: int, business: str | None,
              tasks: str | None, limit: int | None, gate: tuple[str, ...], out: Path | None, speculative: str | None,
              prompts_file: Path | None, num_prompts: int, max_tokens: int, concurrency: int, histogram: Path | None,
-             as_json: bool, num_speculative_tokens: int | None, speculative_tree_nodes: int) -> None:
+             as_json: bool, num_speculative_tokens: int | None, speculative_tree_nodes: int, speculative_min_confidence: float) -> None:
     """Evaluate TARGETS (model specs or artifacts) side by side; the first is the baseline."""
     if speculative is not None:
-        shape = {"num_speculative_tokens": num_speculative_tokens, "speculative_tree_nodes": speculative_tree_nodes}
+        shape = {"num_speculative_tokens": num_speculative_tokens, "speculative_tree_nodes": speculative_tree_nodes,
+                 "speculative_min_confidence": speculative_min_confidence}
         return evaluate_speculative(targets[0], speculative, prompts_file, num_prompts, max_tokens, concurrency, histogram, as_json, shape)
     from llmc.evals.gate import GateFailed
     from llmc.evals.report import SUMMARY_COLUMNS, summary_rows, write_report
@@ -139,6 +142,7 @@ def evaluate_speculative(target: str, speculative: str, prompts_file: Path | Non
         return
     table = Table("metric", "value", title=f"speculative decoding, {len(prompts)} prompts of {prompts_file}, greedy")
     table.add_row("mean accepted length", f"{result['mean_accepted_length']:.2f}")
+    table.add_row("tokens per step, undrafted steps included", f"{result['tokens_per_step']:.2f}")
     table.add_row("acceptance per position", ", ".join(f"{value:.2f}" for value in result["acceptance_per_position"]))
     table.add_row("identical to plain decoding", f"{result['identical_outputs']} / {len(prompts)}")
     batch1 = result["batch1"]
@@ -227,7 +231,7 @@ def draft_folder(model: str, speculative: str) -> Path | None:
 
 def build_engine(model: str, dtype: str, kv_cache_gib: float, max_num_seqs: int, max_num_batched_tokens: int,
                  max_model_len: int | None, no_prefix_caching: bool, speculative: str = "off", speculative_max_num_seqs: int = 4,
-                 num_speculative_tokens: int | None = None, speculative_tree_nodes: int = 0):
+                 num_speculative_tokens: int | None = None, speculative_tree_nodes: int = 0, speculative_min_confidence: float = 0.0):
     import torch
 
     from llmc.runtime.config import EngineConfig
@@ -238,6 +242,7 @@ def build_engine(model: str, dtype: str, kv_cache_gib: float, max_num_seqs: int,
         max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len, enable_prefix_caching=not no_prefix_caching,
         speculative=draft_folder(model, speculative), speculative_max_num_seqs=speculative_max_num_seqs,
         num_speculative_tokens=num_speculative_tokens, speculative_tree_nodes=speculative_tree_nodes,
+        speculative_min_confidence=speculative_min_confidence,
     )
     return LLMEngine(model, config)
 

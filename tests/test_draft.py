@@ -63,10 +63,11 @@ def test_recipe_draft_trains_heads_into_the_artifact(tmp_path, tiny_llama, calib
     assert "draft/heads.safetensors" in info["manifest"]["files"]
     histogram = tmp_path / "accepted.png"
     run = CliRunner().invoke(cli, ["eval", str(artifact), "--speculative", "auto", "--prompts", str(calib_file), "--num-prompts", "2",
-                                   "--max-tokens", "12", "--concurrency", "2", "--histogram", str(histogram), "--json"])
+                                   "--max-tokens", "12", "--concurrency", "2", "--histogram", str(histogram), "--json",
+                                   "--speculative-tree-nodes", "4", "--speculative-min-confidence", "0.05"])
     assert run.exit_code == 0, run.output
     result = json.loads(run.output)
-    assert result["num_prompts"] == 2 and result["mean_accepted_length"] >= 1 and histogram.is_file()
+    assert result["num_prompts"] == 2 and result["mean_accepted_length"] >= result["tokens_per_step"] >= 1 and histogram.is_file()
     assert {"batch1", "concurrency2", "acceptance_per_position"} <= set(result)
     assert result["identical_outputs"] == 2 and {"speedup", "served_speedup"} <= set(result["concurrency2"])
     assert result["concurrency2"]["rounds"] == 3

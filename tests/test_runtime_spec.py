@@ -58,6 +58,33 @@ def test_eagle_tree_keeps_the_most_probable_paths():
     assert kept == DraftTree([1, 2, 3], [-1, -1, 0])
 
 
+def test_a_tree_keeps_only_nodes_the_draft_is_confident_of():
+    tree = DraftTree([1, 2, 3, 4, 5], [-1, -1, 0, 0, 1])
+    scores = [-0.1, -1.0, -0.3, -2.0, -1.5]
+    assert most_probable_nodes(tree, scores, 5, min_score=-0.5) == DraftTree([1, 3], [-1, 0])
+    assert most_probable_nodes(tree, scores, 5, min_score=-1.0) == DraftTree([1, 2, 3], [-1, -1, 0])
+    assert most_probable_nodes(tree, scores, 5, min_score=-0.05) == DraftTree()
+
+
+@pytest.mark.parametrize("method, threshold", [("medusa", 0.3), ("eagle", 0.1)])
+def test_a_confidence_threshold_drafts_fewer_nodes_and_keeps_greedy_output_exact(tiny_llama, trained, trained_eagle, method, threshold):
+    draft, prompts = trained
+    folder = draft if method == "medusa" else trained_eagle
+    params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+    plain = build(tiny_llama).generate(prompts, params)
+    stats = {}
+    for min_confidence in (0.0, threshold):
+        engine = build(tiny_llama, speculative=folder, num_speculative_tokens=3, speculative_tree_nodes=6,
+                       speculative_min_confidence=min_confidence)
+        assert [out["token_ids"] for out in engine.generate(prompts, params)] == [out["token_ids"] for out in plain]
+        stats[min_confidence] = engine.runner.speculator.stats
+    every, confident = stats[0.0], stats[threshold]
+    assert confident.num_draft_tokens / confident.num_steps < every.num_draft_tokens / every.num_steps
+    # the nodes kept are the likeliest to be accepted: each verified node is accepted more often
+    assert confident.num_accepted_tokens / confident.num_draft_tokens > every.num_accepted_tokens / every.num_draft_tokens
+    assert every.tokens_per_step == pytest.approx(1 + every.num_accepted_tokens / every.num_steps)
+
+
 def test_a_tree_level_keeps_the_most_probable_paths_below_any_node():
     tree, scores = DraftTree(), []
     first = add_level(tree, scores, [ROOT], torch.tensor([[-0.1, -1.0]]), torch.tensor([[5, 6]]))

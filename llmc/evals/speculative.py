@@ -24,7 +24,7 @@ def timed_generate(engine: LLMEngine, prompts: list[str], params: SamplingParams
 
 def speculative_eval(model: str, draft: Path, prompts: list[str], max_tokens: int, concurrency: int, dtype: torch.dtype,
                      shape: dict | None = None) -> dict:
-    """shape: EngineConfig's num_speculative_tokens and speculative_tree_nodes."""
+    """shape: EngineConfig's num_speculative_tokens, speculative_tree_nodes and speculative_min_confidence."""
     settings = dict(dtype=dtype, max_num_seqs=max(concurrency, 1), enable_prefix_caching=False)
     plain = LLMEngine(model, EngineConfig(**settings))
     speculative = LLMEngine(model, EngineConfig(**settings, speculative=draft, adaptive_speculation=False, **(shape or {})))
@@ -49,6 +49,7 @@ def speculative_eval(model: str, draft: Path, prompts: list[str], max_tokens: in
         "num_prompts": len(prompts), "max_tokens": max_tokens, "output_tokens": num_tokens,
         "identical_outputs": num_identical,
         "mean_accepted_length": stats.mean_accepted_length,
+        "tokens_per_step": stats.tokens_per_step,
         "acceptance_per_position": stats.acceptance_per_position,
         "accepted_length_histogram": dict(sorted(stats.accepted_lengths.items())),
         "batch1": {"plain_tokens_per_s": num_tokens / plain_s, "speculative_tokens_per_s": num_tokens / speculative_s,

@@ -1,4 +1,5 @@
 """Proposers turn what a step observed into the next draft tree of each sequence that emitted tokens."""
+import math
 from dataclasses import dataclass
 from weakref import WeakKeyDictionary
 
@@ -31,11 +32,13 @@ class MedusaProposer:
     """Head k's guesses fill level k + 1 of the tree. The heads guess independently of each other, so a path's
     probability is the product of its heads' probabilities of its tokens: each level expands the top_k guesses of
     its head under every node of the level above and keeps the top_k most probable paths (Medusa's tree attention);
-    the num_nodes most probable nodes are proposed. top_k 1 drafts a chain of each head's top-1 guess."""
+    the num_nodes most probable nodes at least min_confidence probable are proposed. top_k 1 drafts a chain of each
+    head's top-1 guess."""
 
-    def __init__(self, heads: nn.Module, model: LlamaForCausalLM, depth: int, num_nodes: int, top_k: int):
+    def __init__(self, heads: nn.Module, model: LlamaForCausalLM, depth: int, num_nodes: int, top_k: int, min_confidence: float):
         self.heads, self.compute_logits = heads, model.compute_logits
         self.max_depth, self.num_nodes, self.top_k = depth, num_nodes, top_k
+        self.min_score = math.log(min_confidence) if min_confidence > 0 else -math.inf
 
     def propose(self, observed: list[Observed], drafting: bool) -> dict:
         sampled = [item for item in observed if item.sampled]
@@ -51,7 +54,7 @@ class MedusaProposer:
             for depth in range(self.max_depth):
                 guesses = values[depth, column].expand(len(frontier), -1), token_ids[depth, column].expand(len(frontier), -1)
                 frontier = add_level(tree, scores, frontier, *guesses)
-            trees[item.seq] = most_probable_nodes(tree, scores, self.num_nodes)
+            trees[item.seq] = most_probable_nodes(tree, scores, self.num_nodes, self.min_score)
         return trees
 
 
@@ -69,14 +72,17 @@ class EagleProposer:
     """Feeds every (feature, next token) pair the target computes into the EAGLE layer, then drafts a tree from its
     last prediction: each level expands the top_k tokens of every node of the level above, keeps the top_k most
     probable paths (the product of the draft's own probabilities, EAGLE-2's confidence) and feeds their predicted
-    features back in; the num_nodes most probable nodes are proposed. top_k 1 drafts a chain."""
+    features back in; the num_nodes most probable nodes at least min_confidence probable are proposed, and no level
+    is drafted below one where no path reaches min_confidence (EAGLE-2's dynamic tree: the draft's confidence tracks
+    its acceptance, so an unsure draft costs neither drafting nor verification). top_k 1 drafts a chain."""
 
-    def __init__(self, draft: EagleDraft, model: LlamaForCausalLM, depth: int, num_nodes: int, top_k: int):
+    def __init__(self, draft: EagleDraft, model: LlamaForCausalLM, depth: int, num_nodes: int, top_k: int, min_confidence: float):
         self.draft, self.model = draft, model
         hidden_size = draft.shape.hidden_size
         identity = torch.eye(hidden_size, dtype=model.embed_tokens.dtype, device=model.embed_tokens.device)
         self.lm_head = model.compute_logits(identity)[:, draft.vocab].T.contiguous()  # the draft vocabulary's rows
         self.max_depth, self.num_nodes, self.top_k = depth, num_nodes, top_k
+        self.min_score = math.log(min_confidence) if min_confidence > 0 else -math.inf
         self.caches: WeakKeyDictionary[Sequence, EagleCache] = WeakKeyDictionary()
 
     def propose(self, observed: list[Observed], drafting: bool) -> dict:
@@ -114,7 +120,7 @@ class EagleProposer:
         for depth in range(1, self.max_depth + 1):
             top = (frontier_features @ self.lm_head.T).float().log_softmax(-1).cpu().topk(self.top_k, dim=-1)
             parents, level = frontier, add_level(tree, scores, frontier, top.values, self.draft.vocab[top.indices])
-            if depth == self.max_depth:
+            if depth == self.max_depth or max(scores[node] for node in level) < self.min_score:
                 break
             parent_rows = [parents.index(tree.parents[node]) for node in level]
             visible = torch.ones(len(level), cache.keys.shape[1] + len(tree), dtype=torch.bool)
@@ -128,7 +134,7 @@ class EagleProposer:
             )
             keys, values = torch.cat([keys, new_keys], 1), torch.cat([values, new_values], 1)
             frontier, frontier_features = level, out[0]
-        return most_probable_nodes(tree, scores, self.num_nodes)
+        return most_probable_nodes(tree, scores, self.num_nodes, self.min_score)
 
 
 def add_level(tree: DraftTree, scores: list[float], frontier: list[int], logprobs: torch.Tensor, token_ids: torch.Tensor) -> list[int]:
@@ -148,11 +154,12 @@ def add_level(tree: DraftTree, scores: list[float], frontier: list[int], logprob
     return list(range(first, len(tree)))
 
 
-def most_probable_nodes(tree: DraftTree, scores: list[float], num_nodes: int) -> DraftTree:
-    """The num_nodes nodes of highest path probability, parents first; a path is never likelier than its parent,
-    so the kept nodes form a tree."""
+def most_probable_nodes(tree: DraftTree, scores: list[float], num_nodes: int, min_score: float = -math.inf) -> DraftTree:
+    """The num_nodes nodes of highest path log-probability, those of at least min_score, parents first; a path is
+    never likelier than its parent, so the kept nodes form a tree."""
     depths = tree.depths
-    kept = sorted(sorted(range(len(tree)), key=lambda node: (-scores[node], depths[node]))[:num_nodes])
+    confident = [node for node in range(len(tree)) if scores[node] >= min_score]
+    kept = sorted(sorted(confident, key=lambda node: (-scores[node], depths[node]))[:num_nodes])
     renumbered = {old: new for new, old in enumerate(kept)} | {ROOT: ROOT}
     return DraftTree([tree.tokens[node] for node in kept], [renumbered[tree.parents[node]] for node in kept])
 
@@ -167,4 +174,4 @@ def build_proposer(draft_config: dict, heads: nn.Module, model: LlamaForCausalLM
     num_nodes = max(config.speculative_tree_nodes, depth)
     top_k = TREE_TOP_K if num_nodes > depth else 1
     proposer = MedusaProposer if draft_config["method"] == "medusa" else EagleProposer
-    return proposer(heads, model, depth, num_nodes, top_k)
+    return proposer(heads, model, depth, num_nodes, top_k, config.speculative_min_confidence)

@@ -7,6 +7,7 @@ class SpecStats:
     """Counters named like vLLM's spec-decode metrics; an accepted length counts the bonus token."""
 
     num_positions: int
+    num_steps: int = 0  # a sequence's steps that emitted tokens, with a draft or without one
     num_drafts: int = 0  # verification steps that had at least one draft token
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
@@ -17,6 +18,7 @@ class SpecStats:
         self.accepted_per_position = self.accepted_per_position or [0] * self.num_positions
 
     def record(self, num_draft_tokens: int, num_accepted: int) -> None:
+        self.num_steps += 1
         if not num_draft_tokens:
             return
         self.num_drafts += 1
@@ -29,6 +31,11 @@ class SpecStats:
     @property
     def mean_accepted_length(self) -> float:
         return 1 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else 1.0
+
+    @property
+    def tokens_per_step(self) -> float:
+        """Tokens per target forward over every step, those an unsure draft left undrafted included."""
+        return 1 + self.num_accepted_tokens / self.num_steps if self.num_steps else 1.0
 
     @property
     def acceptance_per_position(self) -> list[float]:
