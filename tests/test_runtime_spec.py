@@ -173,6 +173,19 @@ def test_a_step_is_charged_for_drafting_the_trees_it_verifies_not_the_next_ones(
     assert all((seconds >= 0.2) == drafted for drafted, seconds in recorded), recorded
 
 
+def test_governor_measures_drafting_by_its_decision_even_when_an_unsure_draft_proposes_nothing(tiny_llama, trained_eagle):
+    """Drafting with a confidence threshold the draft never reaches only costs: those steps count as drafted, so the
+    governor measures that and stops; counted as plain by their empty trees, drafting would never be measured."""
+    engine = build(tiny_llama, speculative=trained_eagle, adaptive_speculation=True, speculative_min_confidence=0.99)
+    decisions = []
+    should_draft = engine.runner.speculator.governor.should_draft
+    engine.runner.speculator.governor.should_draft = lambda num_seqs: decisions.append(should_draft(num_seqs)) or decisions[-1]
+    engine.generate([[1, 2, 3]], SamplingParams(temperature=0, max_tokens=24, ignore_eos=True))
+    assert engine.runner.speculator.stats.num_draft_tokens == 0
+    assert {(1, True), (1, False)} <= set(engine.runner.speculator.governor.rates)
+    assert decisions.count(True) < len(decisions) / 2
+
+
 def test_governor_compares_rates_at_the_same_batch_size_only():
     """Plain steps of 8 sequences output far more tokens per second than drafted steps of 2: that says nothing about
     whether drafting pays at 2, which is measured both ways on its own."""

@@ -34,11 +34,12 @@ class SpeculativeDecoder:
         self.stats = SpecStats(self.num_tokens)
         self.governor = DraftGovernor() if config.adaptive_speculation else None
         self.drafting_seconds = 0.0  # spent drafting the trees the next step verifies
+        self.drafting = False  # whether the trees the next step verifies were drafted (empty when the draft was unsure)
 
     def step(self, seqs: list[Sequence], hidden: torch.Tensor, started: float) -> dict[Sequence, list[SampledToken]]:
         """hidden: the forward's rows, each sequence's scheduled chunk in order (prompt or last token, then nodes);
         started: when the step's forward began."""
-        decode_only, drafted = all(seq.num_uncomputed_tokens == 1 for seq in seqs), any(len(seq.draft) for seq in seqs)
+        decode_only, drafted = all(seq.num_uncomputed_tokens == 1 for seq in seqs), self.drafting
         chunks, start = [], 0
         for seq in seqs:
             chunks.append((seq, start, start + seq.num_scheduled_tokens))
@@ -61,11 +62,11 @@ class SpeculativeDecoder:
                 first = seq.num_computed_tokens + 1
                 observed.append(Observed(seq, seq.num_computed_tokens, hidden[start:end], seq.token_ids[first : first + end - start], False))
         proposing = time.perf_counter()
-        drafting = self._propose(observed, outputs)
+        self.drafting = self._propose(observed, outputs)
         finished = time.perf_counter()
         # a step's rate pays for the drafts it verified, drafted at the end of the step before, not for the next ones
-        seconds = (proposing if drafting else finished) - started + self.drafting_seconds
-        self.drafting_seconds = finished - proposing if drafting else 0.0
+        seconds = (proposing if self.drafting else finished) - started + self.drafting_seconds
+        self.drafting_seconds = finished - proposing if self.drafting else 0.0
         if self.governor is not None and decode_only:
             self.governor.record(len(seqs), drafted, sum(map(len, outputs.values())), seconds)
         return outputs
