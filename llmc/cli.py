@@ -10,11 +10,12 @@ from llmc.errors import LlmcError
 
 console = Console()
 SPECULATIVE_SHAPE_OPTIONS = [
-    click.option("--num-speculative-tokens", type=click.IntRange(min=1), help="Draft depth (default: one per Medusa head, 5 for EAGLE)."),
-    click.option("--speculative-tree-nodes", type=click.IntRange(min=0), default=0, show_default=True,
-                 help="Verify a tree of this many draft nodes, the most probable paths; 0 drafts a chain."),
-    click.option("--speculative-min-confidence", type=click.FloatRange(0, 1, max_open=True), default=0.0, show_default=True,
-                 help="Verify only draft nodes whose path the draft finds at least this probable, and draft no deeper."),
+    click.option("--num-speculative-tokens", type=click.IntRange(min=1), help="Draft depth (default: one per Medusa head, 4 for EAGLE)."),
+    click.option("--speculative-tree-nodes", type=click.IntRange(min=0),
+                 help="Verify a tree of this many draft nodes, the most probable paths; 0 drafts a chain (default: 7)."),
+    click.option("--speculative-min-confidence", type=click.FloatRange(0, 1, max_open=True),
+                 help="Verify only draft nodes whose path the draft finds at least this probable, and draft no deeper "
+                      "(default: 0.3 for EAGLE, 0 for Medusa)."),
 ]
 
 
@@ -73,7 +74,8 @@ def quantize(recipe: Path, output: str | None, overrides: tuple[str, ...], overw
 def evaluate(targets: tuple[str, ...], perplexity_data: str | None, seq_len: int, max_windows: int, business: str | None,
              tasks: str | None, limit: int | None, gate: tuple[str, ...], out: Path | None, speculative: str | None,
              prompts_file: Path | None, num_prompts: int, max_tokens: int, concurrency: int, histogram: Path | None,
-             as_json: bool, num_speculative_tokens: int | None, speculative_tree_nodes: int, speculative_min_confidence: float) -> None:
+             as_json: bool, num_speculative_tokens: int | None, speculative_tree_nodes: int | None,
+             speculative_min_confidence: float | None) -> None:
     """Evaluate TARGETS (model specs or artifacts) side by side; the first is the baseline."""
     if speculative is not None:
         shape = {"num_speculative_tokens": num_speculative_tokens, "speculative_tree_nodes": speculative_tree_nodes,
@@ -231,7 +233,8 @@ def draft_folder(model: str, speculative: str) -> Path | None:
 
 def build_engine(model: str, dtype: str, kv_cache_gib: float, max_num_seqs: int, max_num_batched_tokens: int,
                  max_model_len: int | None, no_prefix_caching: bool, speculative: str = "off", speculative_max_num_seqs: int = 4,
-                 num_speculative_tokens: int | None = None, speculative_tree_nodes: int = 0, speculative_min_confidence: float = 0.0):
+                 num_speculative_tokens: int | None = None, speculative_tree_nodes: int | None = None,
+                 speculative_min_confidence: float | None = None):
     import torch
 
     from llmc.runtime.config import EngineConfig

@@ -98,7 +98,8 @@ def test_a_tree_level_keeps_the_most_probable_paths_below_any_node():
 
 
 def build(model: Path, **kwargs) -> LLMEngine:
-    settings = {"num_kv_blocks": 48, "adaptive_speculation": False} | kwargs  # draft every step unless a test says so
+    # draft every step, a chain of every node the draft guesses, unless a test says otherwise
+    settings = {"num_kv_blocks": 48, "adaptive_speculation": False, "speculative_tree_nodes": 0, "speculative_min_confidence": 0.0} | kwargs
     return LLMEngine(model, EngineConfig(dtype=torch.float32, block_size=4, **settings))
 
 

@@ -17,8 +17,9 @@ class EngineConfig:
     device: str = "cpu"
     enforce_eager: bool = False  # CUDA: run decode steps eagerly instead of replaying captured CUDA graphs
     speculative: Path | None = None  # a draft folder (config.json + heads) to propose tokens with
-    num_speculative_tokens: int | None = None  # draft depth; None: one per Medusa head, 5 for EAGLE
-    speculative_tree_nodes: int = 0  # verify a tree of this many nodes, the most probable paths; 0: a chain
-    speculative_min_confidence: float = 0.0  # verify only draft nodes whose path the draft finds at least this probable
+    # the draft's shape, None: the method's default (proposers.DEFAULT_SHAPES)
+    num_speculative_tokens: int | None = None  # draft depth
+    speculative_tree_nodes: int | None = None  # verify a tree of this many nodes, the most probable paths; 0: a chain
+    speculative_min_confidence: float | None = None  # verify only draft nodes whose path the draft finds at least this probable
     speculative_max_num_seqs: int = 4  # above this many sequences in a step, decode without drafts
     adaptive_speculation: bool = True  # draft only while measured decode throughput with drafts beats it without

@@ -13,8 +13,18 @@ from llmc.runtime.models.llama import LlamaForCausalLM
 from llmc.runtime.sequence import Sequence
 from llmc.runtime.spec.tree import ROOT, DraftTree
 
-EAGLE_DEPTH = 5  # default draft depth
 TREE_TOP_K = 4  # tokens expanded per node, and paths kept per level, when drafting a tree
+
+
+@dataclass(frozen=True, slots=True)
+class DraftShape:
+    depth: int | None  # None: one level per Medusa head
+    num_nodes: int  # 0: a chain
+    min_confidence: float
+
+
+# the shapes that decode fastest at batch 1 on SmolLM2 (README, Benchmarks: benchmarks/speculative_shapes.py)
+DEFAULT_SHAPES = {"medusa": DraftShape(None, 7, 0.0), "eagle": DraftShape(4, 7, 0.3)}
 
 
 @dataclass(slots=True)
@@ -167,11 +177,12 @@ def most_probable_nodes(tree: DraftTree, scores: list[float], num_nodes: int, mi
 def build_proposer(draft_config: dict, heads: nn.Module, model: LlamaForCausalLM, config: EngineConfig):
     if draft_config["method"] not in ("medusa", "eagle"):
         raise LlmcError(f"unknown draft method {draft_config['method']!r}")
+    default = DEFAULT_SHAPES[draft_config["method"]]
+    depth = config.num_speculative_tokens or default.depth
     if draft_config["method"] == "medusa":
-        depth = min(config.num_speculative_tokens or heads.num_heads, heads.num_heads)
-    else:
-        depth = config.num_speculative_tokens or EAGLE_DEPTH
-    num_nodes = max(config.speculative_tree_nodes, depth)
+        depth = min(depth or heads.num_heads, heads.num_heads)
+    num_nodes = max(default.num_nodes if config.speculative_tree_nodes is None else config.speculative_tree_nodes, depth)
+    min_confidence = default.min_confidence if config.speculative_min_confidence is None else config.speculative_min_confidence
     top_k = TREE_TOP_K if num_nodes > depth else 1
     proposer = MedusaProposer if draft_config["method"] == "medusa" else EagleProposer
-    return proposer(heads, model, depth, num_nodes, top_k, config.speculative_min_confidence)
+    return proposer(heads, model, depth, num_nodes, top_k, min_confidence)

@@ -1,0 +1,90 @@
+"""Draft shapes side by side at batch 1: for each (depth, tree nodes, min confidence), tokens per step, mean accepted
+length and wall-clock speed-up against plain decoding of the same engine settings, all in one process and interleaved
+prompt by prompt (each prompt decoded plain, then with every shape), so that a slow spell of the machine falls on
+every shape alike. Greedy; each output is checked against plain decoding's. Prompts: MT-bench first turns by default.
+
+    python benchmarks/speculative_shapes.py ARTIFACT [--draft DIR] [--prompts FILE] [--num-prompts 10] [--max-tokens 128]
+        [--shape DEPTH:NODES:CONFIDENCE ...]
+"""
+import argparse
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from llmc.runtime.bench import load_prompts
+from llmc.runtime.config import EngineConfig
+from llmc.runtime.engine import LLMEngine
+from llmc.runtime.sampling_params import SamplingParams
+from llmc.runtime.spec.stats import SpecStats
+
+ROOT = Path(__file__).resolve().parents[1]
+MT_BENCH = ROOT.parent / "shared" / "data" / "mt_bench" / "question.jsonl"
+SHAPES = ["2:0:0", "3:0:0", "4:7:0", "4:7:0.1", "4:7:0.2", "5:11:0.2", "3:3:0.2"]
+
+
+@dataclass
+class ShapeRun:
+    name: str
+    engine: LLMEngine
+    seconds: float = 0.0
+    num_tokens: int = 0
+    num_identical: int = 0
+
+
+def shape_engine(artifact: str, draft: Path, spec: str) -> ShapeRun:
+    depth, nodes, confidence = spec.split(":")
+    config = EngineConfig(enable_prefix_caching=False, speculative=draft, adaptive_speculation=False,
+                          num_speculative_tokens=int(depth), speculative_tree_nodes=int(nodes),
+                          speculative_min_confidence=float(confidence))
+    return ShapeRun(f"depth {depth}, {nodes or 'chain'} nodes, confidence >= {confidence}", LLMEngine(artifact, config))
+
+
+def timed(engine: LLMEngine, prompt: str, params: SamplingParams) -> tuple[list[int], float]:
+    started = time.perf_counter()
+    (output,) = engine.generate([prompt], params)
+    return output["token_ids"], time.perf_counter() - started
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("artifact")
+    parser.add_argument("--draft", type=Path, help="Draft folder (default: ARTIFACT/draft).")
+    parser.add_argument("--prompts", type=Path, default=MT_BENCH)
+    parser.add_argument("--num-prompts", type=int, default=10)
+    parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument("--shape", action="append", help=f"DEPTH:NODES:CONFIDENCE, repeatable (default: {' '.join(SHAPES)}).")
+    args = parser.parse_args()
+    draft = args.draft or Path(args.artifact) / "draft"
+    plain = LLMEngine(args.artifact, EngineConfig(enable_prefix_caching=False))
+    runs = [shape_engine(args.artifact, draft, spec) for spec in args.shape or SHAPES]
+    prompts = list(dict.fromkeys(load_prompts(args.prompts, args.num_prompts, plain.tokenizer, chat_template=True, shared_prefix_tokens=0)))
+    params = SamplingParams(temperature=0, max_tokens=args.max_tokens)
+    for engine in [plain] + [run.engine for run in runs]:  # warm-up
+        engine.generate(prompts[:1], SamplingParams(temperature=0, max_tokens=8))
+    for run in runs:  # count from here: not the warm-up
+        speculator = run.engine.runner.speculator
+        speculator.stats = SpecStats(speculator.num_tokens)
+    plain_s = 0.0
+    for prompt in prompts:
+        reference, seconds = timed(plain, prompt, params)
+        plain_s += seconds
+        for run in runs:
+            token_ids, seconds = timed(run.engine, prompt, params)
+            run.seconds += seconds
+            run.num_tokens += len(token_ids)
+            run.num_identical += token_ids == reference
+    print(f"{len(prompts)} prompts of {args.prompts.name}, {args.max_tokens} tokens, greedy, batch 1, {torch.get_num_threads()} threads; "
+          f"plain decoding {plain_s:.1f} s")
+    print(f"{'shape':42s} {'tokens/step':>11s} {'accepted':>9s} {'nodes/step':>10s} {'speed-up':>9s} identical")
+    for run in runs:
+        stats = run.engine.runner.speculator.stats
+        nodes = stats.num_draft_tokens / max(stats.num_steps, 1)
+        speedup = f"x{plain_s / run.seconds:.2f}"
+        print(f"{run.name:42s} {stats.tokens_per_step:11.2f} {stats.mean_accepted_length:9.2f} {nodes:10.2f} {speedup:>9s} "
+              f"{run.num_identical}/{len(prompts)}")
+
+
+if __name__ == "__main__":
+    main()
