@@ -13,7 +13,7 @@ from llmc.runtime.engine import LLMEngine
 from llmc.runtime.sampling_params import SamplingParams
 from llmc.runtime.spec.acceptance import greedy_accept, rejection_sample
 from llmc.runtime.spec.governor import DraftGovernor
-from llmc.runtime.spec.proposers import add_level, most_probable_nodes
+from llmc.runtime.spec.proposers import Observed, add_level, most_probable_nodes
 from llmc.runtime.spec.tree import ROOT, DraftTree
 
 
@@ -185,6 +185,37 @@ def test_governor_measures_drafting_by_its_decision_even_when_an_unsure_draft_pr
     assert engine.runner.speculator.stats.num_draft_tokens == 0
     assert {(1, True), (1, False)} <= set(engine.runner.speculator.governor.rates)
     assert decisions.count(True) < len(decisions) / 2
+
+
+def test_observations_join_into_one_run_of_positions():
+    def seen(first: int, rows: list[float], tokens: list[int]) -> Observed:
+        return Observed(None, first, torch.tensor(rows)[:, None], tokens, True)
+
+    joined = Observed.joined([seen(4, [4.0], [5, 9]), seen(5, [5.0, 6.0], [6, 7]), seen(6, [6.5], [8])])
+    assert joined.first_position == 4 and joined.features.flatten().tolist() == [4.0, 5.0, 6.5] and joined.next_token_ids == [5, 6, 8]
+    past_a_gap = Observed.joined([seen(4, [4.0], [5]), seen(9, [9.0], [10])])
+    assert past_a_gap.first_position == 9 and past_a_gap.features.flatten().tolist() == [9.0] and past_a_gap.next_token_ids == [10]
+
+
+def test_eagle_takes_the_pairs_of_undrafted_steps_when_drafting_resumes(tiny_llama, trained, trained_eagle):
+    """Drafting pauses (the governor's choice, or load) cost nothing and leave no hole in the draft's context."""
+    _, prompts = trained
+    engine = build(tiny_llama, speculative=trained_eagle, adaptive_speculation=True, num_speculative_tokens=3, speculative_tree_nodes=6)
+    speculator = engine.runner.speculator
+    decisions = iter([True] * 3 + [False] * 8 + [True] * 100)
+    speculator.governor.should_draft = lambda num_seqs: next(decisions)
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    seq = engine.add_request(prompts[0], params)
+    for _ in range(11):
+        engine.step()
+    proposer = speculator.proposer
+    assert len(proposer.pending[seq]) == 8  # paused: the pairs wait
+    engine.step()
+    assert seq not in proposer.pending and proposer.caches[seq].next_position == seq.num_computed_tokens
+    assert proposer.caches[seq].keys.shape[1] == seq.num_computed_tokens  # every position, none twice
+    while engine.has_unfinished():
+        engine.step()
+    assert seq.output_token_ids == build(tiny_llama).generate([prompts[0]], params)[0]["token_ids"]
 
 
 def test_governor_compares_rates_at_the_same_batch_size_only():

@@ -37,6 +37,19 @@ class Observed:
     next_token_ids: list[int]  # the token that followed each feature's position
     sampled: bool  # the step emitted tokens for it: it needs a new draft
 
+    @classmethod
+    def joined(cls, items: list["Observed"]) -> "Observed":
+        """One sequence's observations of consecutive steps as one; a later one replaces the positions it observes
+        again (recomputed after a preemption) and, past a gap, starts over."""
+        first, features, token_ids = items[0].first_position, items[0].features[:0], []
+        for item in items:
+            kept = item.first_position - first
+            if kept > len(features):
+                first, features, token_ids, kept = item.first_position, features[:0], [], 0
+            features = torch.cat([features[:kept], item.features])
+            token_ids = token_ids[:kept] + item.next_token_ids[: len(item.features)]
+        return cls(items[-1].seq, first, features, token_ids, items[-1].sampled)
+
 
 class MedusaProposer:
     """Head k's guesses fill level k + 1 of the tree. The heads guess independently of each other, so a path's
@@ -94,14 +107,18 @@ class EagleProposer:
         self.max_depth, self.num_nodes, self.top_k = depth, num_nodes, top_k
         self.min_score = math.log(min_confidence) if min_confidence > 0 else -math.inf
         self.caches: WeakKeyDictionary[Sequence, EagleCache] = WeakKeyDictionary()
+        self.pending: WeakKeyDictionary[Sequence, list[Observed]] = WeakKeyDictionary()
 
     def propose(self, observed: list[Observed], drafting: bool) -> dict:
-        """Under load nothing is fed either: a sequence that drafts again later attends to the pairs seen while drafting."""
+        """While not drafting (under load, or when drafting does not pay) the pairs wait, at no cost, and go into the
+        layer in one forward when drafting resumes: a draft from a context with holes would guess worse."""
         if not drafting:
+            for item in observed:
+                self.pending.setdefault(item.seq, []).append(item)
             return {}
         trees = {}
         for item in observed:
-            cache = self._commit(item)
+            cache = self._commit(Observed.joined(self.pending.pop(item.seq, []) + [item]))
             if item.sampled and cache.last_output is not None:
                 trees[item.seq] = self._draft(cache)
         return trees
