@@ -7,12 +7,12 @@ every shape alike. Greedy; each output is checked against plain decoding's. Prom
         [--shape DEPTH:NODES:CONFIDENCE ...]
 """
 import argparse
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
+from llmc.evals.speculative import timed_generate
 from llmc.runtime.bench import load_prompts
 from llmc.runtime.config import EngineConfig
 from llmc.runtime.engine import LLMEngine
@@ -21,7 +21,7 @@ from llmc.runtime.spec.stats import SpecStats
 
 ROOT = Path(__file__).resolve().parents[1]
 MT_BENCH = ROOT.parent / "shared" / "data" / "mt_bench" / "question.jsonl"
-SHAPES = ["2:0:0", "3:0:0", "4:7:0", "4:7:0.1", "4:7:0.2", "5:11:0.2", "3:3:0.2"]
+SHAPES = ["3:0:0", "4:7:0", "4:7:0.1", "4:7:0.2", "4:7:0.3", "5:11:0.2", "3:3:0.1"]  # README's table
 
 
 @dataclass
@@ -29,7 +29,6 @@ class ShapeRun:
     name: str
     engine: LLMEngine
     seconds: float = 0.0
-    num_tokens: int = 0
     num_identical: int = 0
 
 
@@ -39,12 +38,6 @@ def shape_engine(artifact: str, draft: Path, spec: str) -> ShapeRun:
                           num_speculative_tokens=int(depth), speculative_tree_nodes=int(nodes),
                           speculative_min_confidence=float(confidence))
     return ShapeRun(f"depth {depth}, {nodes or 'chain'} nodes, confidence >= {confidence}", LLMEngine(artifact, config))
-
-
-def timed(engine: LLMEngine, prompt: str, params: SamplingParams) -> tuple[list[int], float]:
-    started = time.perf_counter()
-    (output,) = engine.generate([prompt], params)
-    return output["token_ids"], time.perf_counter() - started
 
 
 def main() -> None:
@@ -68,12 +61,11 @@ def main() -> None:
         speculator.stats = SpecStats(speculator.num_tokens)
     plain_s = 0.0
     for prompt in prompts:
-        reference, seconds = timed(plain, prompt, params)
+        (reference,), seconds = timed_generate(plain, [prompt], params)
         plain_s += seconds
         for run in runs:
-            token_ids, seconds = timed(run.engine, prompt, params)
+            (token_ids,), seconds = timed_generate(run.engine, [prompt], params)
             run.seconds += seconds
-            run.num_tokens += len(token_ids)
             run.num_identical += token_ids == reference
     print(f"{len(prompts)} prompts of {args.prompts.name}, {args.max_tokens} tokens, greedy, batch 1, {torch.get_num_threads()} threads; "
           f"plain decoding {plain_s:.1f} s")

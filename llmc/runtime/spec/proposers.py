@@ -55,13 +55,12 @@ class MedusaProposer:
     """Head k's guesses fill level k + 1 of the tree. The heads guess independently of each other, so a path's
     probability is the product of its heads' probabilities of its tokens: each level expands the top_k guesses of
     its head under every node of the level above and keeps the top_k most probable paths (Medusa's tree attention);
-    the num_nodes most probable nodes at least min_confidence probable are proposed. top_k 1 drafts a chain of each
+    the num_nodes most probable nodes of log-probability at least min_score are proposed. top_k 1 drafts a chain of each
     head's top-1 guess."""
 
-    def __init__(self, heads: nn.Module, model: LlamaForCausalLM, depth: int, num_nodes: int, top_k: int, min_confidence: float):
+    def __init__(self, heads: nn.Module, model: LlamaForCausalLM, depth: int, num_nodes: int, top_k: int, min_score: float):
         self.heads, self.compute_logits = heads, model.compute_logits
-        self.max_depth, self.num_nodes, self.top_k = depth, num_nodes, top_k
-        self.min_score = math.log(min_confidence) if min_confidence > 0 else -math.inf
+        self.max_depth, self.num_nodes, self.top_k, self.min_score = depth, num_nodes, top_k, min_score
 
     def propose(self, observed: list[Observed], drafting: bool) -> dict:
         sampled = [item for item in observed if item.sampled]
@@ -95,17 +94,16 @@ class EagleProposer:
     """Feeds every (feature, next token) pair the target computes into the EAGLE layer, then drafts a tree from its
     last prediction: each level expands the top_k tokens of every node of the level above, keeps the top_k most
     probable paths (the product of the draft's own probabilities, EAGLE-2's confidence) and feeds their predicted
-    features back in; the num_nodes most probable nodes at least min_confidence probable are proposed, and no level
-    is drafted below one where no path reaches min_confidence (EAGLE-2's dynamic tree: the draft's confidence tracks
+    features back in; the num_nodes most probable nodes of log-probability at least min_score are proposed, and no level
+    is drafted below one where no path reaches min_score (EAGLE-2's dynamic tree: the draft's confidence tracks
     its acceptance, so an unsure draft costs neither drafting nor verification). top_k 1 drafts a chain."""
 
-    def __init__(self, draft: EagleDraft, model: LlamaForCausalLM, depth: int, num_nodes: int, top_k: int, min_confidence: float):
+    def __init__(self, draft: EagleDraft, model: LlamaForCausalLM, depth: int, num_nodes: int, top_k: int, min_score: float):
         self.draft, self.model = draft, model
         hidden_size = draft.shape.hidden_size
         identity = torch.eye(hidden_size, dtype=model.embed_tokens.dtype, device=model.embed_tokens.device)
         self.lm_head = model.compute_logits(identity)[:, draft.vocab].T.contiguous()  # the draft vocabulary's rows
-        self.max_depth, self.num_nodes, self.top_k = depth, num_nodes, top_k
-        self.min_score = math.log(min_confidence) if min_confidence > 0 else -math.inf
+        self.max_depth, self.num_nodes, self.top_k, self.min_score = depth, num_nodes, top_k, min_score
         self.caches: WeakKeyDictionary[Sequence, EagleCache] = WeakKeyDictionary()
         self.pending: WeakKeyDictionary[Sequence, list[Observed]] = WeakKeyDictionary()
 
@@ -118,7 +116,8 @@ class EagleProposer:
             return {}
         trees = {}
         for item in observed:
-            cache = self._commit(Observed.joined(self.pending.pop(item.seq, []) + [item]))
+            waiting = self.pending.pop(item.seq, None)
+            cache = self._commit(Observed.joined(waiting + [item]) if waiting else item)
             if item.sampled and cache.last_output is not None:
                 trees[item.seq] = self._draft(cache)
         return trees
@@ -200,6 +199,7 @@ def build_proposer(draft_config: dict, heads: nn.Module, model: LlamaForCausalLM
         depth = min(depth or heads.num_heads, heads.num_heads)
     num_nodes = max(default.num_nodes if config.speculative_tree_nodes is None else config.speculative_tree_nodes, depth)
     min_confidence = default.min_confidence if config.speculative_min_confidence is None else config.speculative_min_confidence
+    min_score = math.log(min_confidence) if min_confidence > 0 else -math.inf  # a path's log-probability
     top_k = TREE_TOP_K if num_nodes > depth else 1
     proposer = MedusaProposer if draft_config["method"] == "medusa" else EagleProposer
-    return proposer(heads, model, depth, num_nodes, top_k, min_confidence)
+    return proposer(heads, model, depth, num_nodes, top_k, min_score)
