@@ -131,21 +131,61 @@ def test_governor_measures_both_ways_then_drafts_only_while_it_wins_probing_the_
     assert governor.should_draft(1) is True  # nothing measured: try drafting first
     governor.record(1, True, num_tokens=3, seconds=1.0)
     assert governor.should_draft(1) is False  # then plain decoding
-    governor.record(1, False, num_tokens=2, seconds=1.0)
+    governor.record(1, False, num_tokens=1, seconds=0.5)
+    assert governor.rate(1, True) == 3.0 and governor.rate(1, False) == 2.0
     assert [governor.should_draft(1) for _ in range(6)] == [True, True, True, False, True, True]  # the 4th probes
-    for _ in range(8):  # drafts stop paying: the moving average follows
+    for _ in range(8):  # drafts stop paying: the moving average of accepted tokens follows
         governor.record(1, True, num_tokens=1, seconds=1.0)
-    assert governor.rates[1, True] < governor.rates[1, False] and [governor.should_draft(1) for _ in range(4)] == [False, False, False, True]
+    assert governor.rate(1, True) < governor.rate(1, False) and [governor.should_draft(1) for _ in range(4)] == [False, False, False, True]
 
 
 def test_governor_probes_a_steady_loser_less_and_less_and_starts_over_when_the_winner_changes():
     governor = DraftGovernor(probe_every=16, max_probe_every=512)
     governor.record(1, True, num_tokens=1, seconds=1.0)
-    governor.record(1, False, num_tokens=2, seconds=1.0)
+    governor.record(1, False, num_tokens=1, seconds=0.5)
     probes = [index + 1 for index in range(2000) if governor.should_draft(1)]
     assert probes == [16, 48, 112, 240, 496, 1008, 1520]  # waits of 16, 32, ... 512 decisions
-    governor.record(1, True, num_tokens=10, seconds=1.0)  # the last probe found drafts paying now
+    governor.record(1, True, num_tokens=10, seconds=0.25)  # the last probe found drafts paying now
     assert [governor.should_draft(1) for _ in range(16)] == [True] * 15 + [False]
+
+
+def test_governor_times_steps_per_batch_size_and_pools_acceptance_over_all_of_them():
+    """Plain steps of 8 sequences output far more tokens per second than drafted steps of 2: step times are only
+    compared at one batch size. How far drafts are accepted is the draft's and the text's, so drafts at any batch
+    size tell every batch size's decision."""
+    governor = DraftGovernor()
+    governor.record(8, False, num_tokens=8, seconds=0.1)
+    assert governor.should_draft(2) is True
+    governor.record(2, True, num_tokens=5, seconds=0.1)
+    assert governor.should_draft(2) is False
+    governor.record(2, False, num_tokens=2, seconds=0.05)
+    assert governor.should_draft(2) is True and governor.should_draft(8) is True  # 50 > 40 tokens/s at 2; 8 unmeasured drafted
+    governor.record(8, True, num_tokens=20, seconds=0.4)
+    assert governor.tokens_per_drafted_step == 2.5  # per sequence, at 2 and at 8
+    assert governor.should_draft(8) is False and governor.should_draft(2) is True  # 50 < 80 at 8, 50 > 40 at 2
+    at_8 = governor.rate(8, True)
+    for _ in range(10):  # the drafts stop being accepted, seen at batch size 2 only
+        governor.record(2, True, num_tokens=2, seconds=0.1)
+    assert governor.rate(2, True) < governor.rate(2, False)
+    assert governor.rate(8, True) / at_8 == pytest.approx(governor.rate(2, True) / 50)  # batch 8 knows it too
+
+
+def test_a_pause_is_caught_up_off_the_clock_of_the_step_that_resumes_drafting(tiny_llama, trained, trained_eagle, monkeypatch):
+    """The pairs that waited while drafting was off go into the EAGLE layer when it resumes: deferred work that
+    drafting every step would have spread over the paused steps, so the governor's probe does not pay for it."""
+    _, prompts = trained
+    engine = build(tiny_llama, speculative=trained_eagle, adaptive_speculation=True, num_speculative_tokens=3, speculative_tree_nodes=6)
+    speculator = engine.runner.speculator
+    decisions = iter([True] * 3 + [False] * 8 + [True] * 100)
+    speculator.governor.should_draft = lambda num_seqs: next(decisions)
+    joined, recorded = Observed.joined, []
+    monkeypatch.setattr(Observed, "joined", classmethod(lambda cls, items: time.sleep(0.3) or joined(items)))
+    record = speculator.governor.record
+    monkeypatch.setattr(speculator.governor, "record", lambda *args: recorded.append(args) or record(*args))
+    engine.generate([prompts[0]], SamplingParams(temperature=0, max_tokens=24, ignore_eos=True))
+    resumed = next(index for index, (_, drafted, _, _) in enumerate(recorded) if index > 3 and drafted)
+    assert [drafted for _, drafted, _, _ in recorded[resumed - 8 : resumed]] == [False] * 8
+    assert all(seconds < 0.3 for *_, seconds in recorded), recorded
 
 
 def test_a_step_is_charged_for_drafting_the_trees_it_verifies_not_the_next_ones(tiny_llama, trained, monkeypatch):
@@ -183,7 +223,7 @@ def test_governor_measures_drafting_by_its_decision_even_when_an_unsure_draft_pr
     engine.runner.speculator.governor.should_draft = lambda num_seqs: decisions.append(should_draft(num_seqs)) or decisions[-1]
     engine.generate([[1, 2, 3]], SamplingParams(temperature=0, max_tokens=24, ignore_eos=True))
     assert engine.runner.speculator.stats.num_draft_tokens == 0
-    assert {(1, True), (1, False)} <= set(engine.runner.speculator.governor.rates)
+    assert {(1, True), (1, False)} <= set(engine.runner.speculator.governor.step_seconds)
     assert decisions.count(True) < len(decisions) / 2
 
 
@@ -216,20 +256,6 @@ def test_eagle_takes_the_pairs_of_undrafted_steps_when_drafting_resumes(tiny_lla
     while engine.has_unfinished():
         engine.step()
     assert seq.output_token_ids == build(tiny_llama).generate([prompts[0]], params)[0]["token_ids"]
-
-
-def test_governor_compares_rates_at_the_same_batch_size_only():
-    """Plain steps of 8 sequences output far more tokens per second than drafted steps of 2: that says nothing about
-    whether drafting pays at 2, which is measured both ways on its own."""
-    governor = DraftGovernor()
-    governor.record(8, False, num_tokens=8, seconds=0.1)
-    assert governor.should_draft(2) is True
-    governor.record(2, True, num_tokens=5, seconds=0.1)
-    assert governor.should_draft(2) is False
-    governor.record(2, False, num_tokens=2, seconds=0.05)
-    assert governor.should_draft(2) is True and governor.should_draft(8) is True  # 50 > 40 tokens/s at 2; 8 unmeasured drafted
-    governor.record(8, True, num_tokens=10, seconds=0.2)
-    assert governor.should_draft(8) is False and governor.should_draft(2) is True
 
 
 def test_adaptive_speculation_stops_drafting_when_verifying_costs_more_than_it_returns(tiny_llama, trained, monkeypatch):

@@ -64,9 +64,10 @@ class SpeculativeDecoder:
         proposing = time.perf_counter()
         self.drafting = self._propose(observed, outputs)
         finished = time.perf_counter()
-        # a step's rate pays for the drafts it verified, drafted at the end of the step before, not for the next ones
+        # a step's rate pays for the drafts it verified, drafted at the end of the step before, not for the next ones;
+        # nor for catching up after a pause, which drafting on every step would have spread over the paused ones
         seconds = (proposing if self.drafting else finished) - started + self.drafting_seconds
-        self.drafting_seconds = finished - proposing if self.drafting else 0.0
+        self.drafting_seconds = finished - proposing - self.proposer.catch_up_seconds if self.drafting else 0.0
         if self.governor is not None and decode_only:
             self.governor.record(len(seqs), drafted, sum(map(len, outputs.values())), seconds)
         return outputs

@@ -1,5 +1,6 @@
 """Proposers turn what a step observed into the next draft tree of each sequence that emitted tokens."""
 import math
+import time
 from dataclasses import dataclass
 from weakref import WeakKeyDictionary
 
@@ -58,6 +59,8 @@ class MedusaProposer:
     the num_nodes most probable nodes of log-probability at least min_score are proposed. top_k 1 drafts a chain of each
     head's top-1 guess."""
 
+    catch_up_seconds = 0.0  # the heads read the last feature only: a pause leaves nothing to catch up
+
     def __init__(self, heads: nn.Module, model: LlamaForCausalLM, depth: int, num_nodes: int, top_k: int, min_score: float):
         self.heads, self.compute_logits = heads, model.compute_logits
         self.max_depth, self.num_nodes, self.top_k, self.min_score = depth, num_nodes, top_k, min_score
@@ -106,10 +109,13 @@ class EagleProposer:
         self.max_depth, self.num_nodes, self.top_k, self.min_score = depth, num_nodes, top_k, min_score
         self.caches: WeakKeyDictionary[Sequence, EagleCache] = WeakKeyDictionary()
         self.pending: WeakKeyDictionary[Sequence, list[Observed]] = WeakKeyDictionary()
+        self.catch_up_seconds = 0.0  # of the last proposal, spent taking in the pairs that waited
 
     def propose(self, observed: list[Observed], drafting: bool) -> dict:
         """While not drafting (under load, or when drafting does not pay) the pairs wait, at no cost, and go into the
-        layer in one forward when drafting resumes: a draft from a context with holes would guess worse."""
+        layer in one forward when drafting resumes: a draft from a context with holes would guess worse. That
+        catch-up is timed apart: it is the pause's deferred work, not what drafting costs per step."""
+        self.catch_up_seconds = 0.0
         if not drafting:
             for item in observed:
                 self.pending.setdefault(item.seq, []).append(item)
@@ -117,7 +123,11 @@ class EagleProposer:
         trees = {}
         for item in observed:
             waiting = self.pending.pop(item.seq, None)
-            cache = self._commit(Observed.joined(waiting + [item]) if waiting else item)
+            if waiting:
+                catching_up = time.perf_counter()
+                self._commit(Observed.joined(waiting))
+                self.catch_up_seconds += time.perf_counter() - catching_up
+            cache = self._commit(item)
             if item.sampled and cache.last_output is not None:
                 trees[item.seq] = self._draft(cache)
         return trees
