@@ -7,6 +7,7 @@ from llmc.runtime.block_manager import BlockManager
 from llmc.runtime.layers.attention import decode_attention_reference, prefill_attention_reference
 from llmc.runtime.layers.linear import DenseLinear, Int4CpuLinear, build_linear
 from llmc.runtime.layers.linear_weight import LinearWeight
+from llmc.runtime.layers.sampler import greedy_tokens
 from llmc.runtime.sampling_params import SamplingParams
 from llmc.runtime.sequence import Sequence
 
@@ -131,3 +132,11 @@ def test_hash_hit_with_other_tokens_is_not_reused():
     second = sequence([1, 2, 3, 4, 6])
     assert manager.allocate(second) and second.num_cached_tokens == 0
     assert manager.allocate(sequence([1])) is False  # all four blocks are in use
+
+
+def test_greedy_tokens_are_the_argmax_with_the_first_index_on_ties():
+    logits = torch.tensor([[0.0, 2.0, 2.0, 1.0], [3.0, -1.0, 3.0, 3.0]], dtype=torch.bfloat16)
+    assert greedy_tokens(logits) == [1, 0]
+    generator = torch.Generator().manual_seed(0)
+    many_ties = (torch.randn(64, 49152, generator=generator) * 2).round().bfloat16()
+    assert greedy_tokens(many_ties) == many_ties.argmax(-1).tolist()

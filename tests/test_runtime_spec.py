@@ -66,6 +66,18 @@ def test_a_tree_keeps_only_nodes_the_draft_is_confident_of():
     assert most_probable_nodes(tree, scores, 5, min_score=-0.05) == DraftTree()
 
 
+@pytest.mark.parametrize("method", ["medusa", "eagle"])
+def test_a_tree_wider_than_four_paths_per_level_is_filled_and_stays_exact(tiny_llama, trained, trained_eagle, method):
+    """A tree of 18 nodes over 2 levels keeps 9 paths per level (EAGLE-2's trees are 60 nodes over 6 levels)."""
+    draft, prompts = trained
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    engine = build(tiny_llama, speculative=draft if method == "medusa" else trained_eagle, num_speculative_tokens=2, speculative_tree_nodes=18)
+    assert engine.runner.speculator.proposer.top_k == 9
+    assert [out["token_ids"] for out in engine.generate(prompts, params)] == [out["token_ids"] for out in build(tiny_llama).generate(prompts, params)]
+    stats = engine.runner.speculator.stats
+    assert stats.num_draft_tokens / stats.num_drafts > 16  # more than 4 paths x 2 levels
+
+
 @pytest.mark.parametrize("method, threshold", [("medusa", 0.3), ("eagle", 0.1)])
 def test_a_confidence_threshold_drafts_fewer_nodes_and_keeps_greedy_output_exact(tiny_llama, trained, trained_eagle, method, threshold):
     draft, prompts = trained

@@ -25,6 +25,12 @@ def _filtered_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tens
     return logits
 
 
+def greedy_tokens(logits: torch.Tensor) -> list[int]:
+    """Each row's argmax, the first index on ties. Through max: torch's CPU argmax is not vectorised for bfloat16
+    and takes 4-5x longer (2 ms for a verification step's 8 rows of SmolLM2's 49,152 logits)."""
+    return logits.max(-1).indices.tolist()
+
+
 def sampling_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     """The distribution a row's token is drawn from, after temperature, top-k and top-p."""
     return _filtered_logits(logits.float(), params).softmax(-1)
@@ -43,11 +49,11 @@ def sampled_token(token_id: int, logits: torch.Tensor, params: SamplingParams) -
 
 def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None]) -> list[SampledToken]:
     """logits [num_seqs, vocab] -> one token per row: argmax when greedy, else drawn with the row's generator."""
-    greedy_tokens = logits.argmax(-1).tolist()
+    greedy = greedy_tokens(logits)
     sampled = []
     for row, (row_params, generator) in enumerate(zip(params, generators)):
         if row_params.greedy:
-            token_id = greedy_tokens[row]
+            token_id = greedy[row]
         else:
             probs = sampling_probs(logits[row], row_params)
             if generator is not None:  # seeded generators live on the CPU: the same seed draws the same tokens on any device

@@ -9,7 +9,7 @@ import torch
 from llmc.draft.store import load_draft
 from llmc.errors import LlmcError
 from llmc.runtime.config import EngineConfig
-from llmc.runtime.layers.sampler import SampledToken, sampled_token, sampling_probs
+from llmc.runtime.layers.sampler import SampledToken, greedy_tokens, sampled_token, sampling_probs
 from llmc.runtime.sequence import Sequence
 from llmc.runtime.spec.acceptance import greedy_accept, rejection_sample
 from llmc.runtime.spec.governor import DraftGovernor
@@ -76,7 +76,7 @@ class SpeculativeDecoder:
         """logits: row 0 after the last token, row 1 + n after node n -> (accepted path, emitted tokens)."""
         params = seq.params
         if params.greedy:
-            targets = logits.argmax(-1).tolist()
+            targets = greedy_tokens(logits)
             path = greedy_accept(targets, tree)
             last = targets[path[-1] + 1 if path else 0]
         else:

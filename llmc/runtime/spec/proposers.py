@@ -14,7 +14,7 @@ from llmc.runtime.models.llama import LlamaForCausalLM
 from llmc.runtime.sequence import Sequence
 from llmc.runtime.spec.tree import ROOT, DraftTree
 
-TREE_TOP_K = 4  # tokens expanded per node, and paths kept per level, when drafting a tree
+TREE_TOP_K = 4  # tokens expanded per node, and paths kept per level, when drafting a tree (more for trees past 4 x depth)
 
 
 @dataclass(frozen=True, slots=True)
@@ -210,6 +210,6 @@ def build_proposer(draft_config: dict, heads: nn.Module, model: LlamaForCausalLM
     num_nodes = max(default.num_nodes if config.speculative_tree_nodes is None else config.speculative_tree_nodes, depth)
     min_confidence = default.min_confidence if config.speculative_min_confidence is None else config.speculative_min_confidence
     min_score = math.log(min_confidence) if min_confidence > 0 else -math.inf  # a path's log-probability
-    top_k = TREE_TOP_K if num_nodes > depth else 1
+    top_k = max(TREE_TOP_K, -(-num_nodes // depth)) if num_nodes > depth else 1  # each level keeps top_k paths: enough to fill
     proposer = MedusaProposer if draft_config["method"] == "medusa" else EagleProposer
     return proposer(heads, model, depth, num_nodes, top_k, min_score)
