@@ -7,6 +7,7 @@ from llmc.runtime.block_manager import BlockManager
 from llmc.runtime.layers.attention import decode_attention_reference, prefill_attention_reference
 from llmc.runtime.layers.linear import DenseLinear, Int4CpuLinear, build_linear
 from llmc.runtime.layers.linear_weight import LinearWeight
+from llmc.runtime.layers.quantized_input_linear import QuantizedInputLinear
 from llmc.runtime.layers.sampler import greedy_tokens
 from llmc.runtime.sampling_params import SamplingParams
 from llmc.runtime.sequence import Sequence
@@ -35,6 +36,18 @@ def test_kernel_choice_and_bfloat16_int4_matches_dense():
     x = torch.randn(4, 128)
     expected = F.linear(x, quantized().dequantize(), bias)
     torch.testing.assert_close(int4(x.bfloat16()).float(), expected, atol=0.15, rtol=0.02)
+
+
+def test_dense_weights_put_weight_only_layers_on_dense_matmuls_and_keep_quantized_activations():
+    weight = quantized()
+    dense = build_linear([LinearWeight(weight)], torch.bfloat16, "cpu", dense=True)
+    assert isinstance(dense, DenseLinear) and torch.equal(dense.weight, weight.dequantize().bfloat16())
+    x = torch.randn(64, 128).bfloat16()
+    int4 = build_linear([LinearWeight(weight)], torch.bfloat16, "cpu")
+    torch.testing.assert_close(dense(x).float(), int4(x).float(), atol=0.15, rtol=0.02)  # the same weights, other rounding
+    w8a8 = quantize_weight(torch.randn(96, 128), QuantArgs(num_bits=8, strategy="channel"))
+    w8a8.input_activations = QuantArgs(num_bits=8, strategy="token", dynamic=True)
+    assert isinstance(build_linear([LinearWeight(w8a8)], torch.bfloat16, "cpu", dense=True), QuantizedInputLinear)
 
 
 def test_merged_projections_split_back_to_each_output():

@@ -1,7 +1,9 @@
-"""Self-distillation: the quantized target answers the training prompts with the runtime engine (greedy, as it
-will be served), then reads each prompt + answer once more to give the hidden states the heads learn from. The set
-is cached (safetensors) under LLMC_HOME/distill, one file per prompt file, keyed by the artifact, the prompts and the
-lengths."""
+"""Self-distillation: the quantized target answers the training prompts with the runtime engine (greedy), then reads
+each prompt + answer once more to give the hidden states the heads learn from. The engine runs the artifact's own
+weights dequantized onto dense matmuls (`EngineConfig.dense_weights`): the served model up to rounding, and on CPU
+1.7x faster at generating 48 answers at once and ~10x at reading them back than torch's int4 kernel, whose time
+grows with the rows of a step. The set is cached (safetensors) under LLMC_HOME/distill, one file per prompt file,
+keyed by the artifact, the prompts and the lengths."""
 import hashlib
 import json
 from dataclasses import dataclass
@@ -53,7 +55,7 @@ def check_not_eval_set(path: Path) -> None:
 
 def self_distill(artifact: Path, prompts_file: Path, num_prompts: int, max_tokens: int, max_len: int = 1024) -> DistillSet:
     check_not_eval_set(prompts_file)
-    engine = LLMEngine(artifact, EngineConfig(enable_prefix_caching=False, max_model_len=max_len))
+    engine = LLMEngine(artifact, EngineConfig(enable_prefix_caching=False, max_model_len=max_len, dense_weights=True))
     prompts = list(dict.fromkeys(load_prompts(prompts_file, num_prompts, engine.tokenizer, chat_template=True, shared_prefix_tokens=0)))
     prompts = [prompt for prompt in prompts if len(engine.tokenize(prompt)) + max_tokens < engine.max_model_len]
     if not prompts:

@@ -14,11 +14,12 @@ from llmc.runtime.layers.linear_weight import LinearWeight
 class WeightLoader:
     """Reads a model's tensors from an artifact (compressed-tensors or the legacy GPTQ and AWQ layouts; packed int
     weights stay packed) or a plain HF folder. An artifact with an FP8 kv_cache_scheme gets an FP8 KV cache with its
-    k_scale / v_scale; other KV formats are served in the compute dtype."""
+    k_scale / v_scale; other KV formats are served in the compute dtype. dense: weight-only quantized layers on dense
+    matmuls (`build_linear`)."""
 
-    def __init__(self, folder: Path, dtype: torch.dtype, device: str):
+    def __init__(self, folder: Path, dtype: torch.dtype, device: str, dense: bool = False):
         self.reader = CheckpointReader(folder)
-        self.dtype, self.device = dtype, device
+        self.dtype, self.device, self.dense = dtype, device, dense
         quantization = json.loads((folder / "config.json").read_text()).get("quantization_config")
         self.layout = layout_of(quantization) if quantization else None
         compressed_tensors = quantization is not None and quantization["quant_method"] == "compressed-tensors"
@@ -42,7 +43,7 @@ class WeightLoader:
         )
 
     def linear(self, names: list[str]) -> nn.Module:
-        return build_linear([self._linear_weight(name) for name in names], self.dtype, self.device)
+        return build_linear([self._linear_weight(name) for name in names], self.dtype, self.device, self.dense)
 
     def _linear_weight(self, name: str) -> LinearWeight:
         bias = self.reader.tensor(f"{name}.bias") if f"{name}.bias" in self.reader else None

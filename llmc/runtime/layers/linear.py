@@ -70,7 +70,11 @@ class Int4CpuLinear(nn.Module):
 KERNELS: list[type[nn.Module]] = [QuantizedInputLinear, Int4TritonLinear, Int4CpuLinear, DenseLinear]  # by priority; DenseLinear takes anything
 
 
-def build_linear(parts: list[LinearWeight], dtype: torch.dtype, device: str) -> nn.Module:
+def build_linear(parts: list[LinearWeight], dtype: torch.dtype, device: str, dense: bool = False) -> nn.Module:
+    """dense: weight-only quantized layers dequantized once, onto dense matmuls (those with quantized activations keep
+    their kernels: dense, their inputs would go unquantized)."""
     weight = merge(parts)
-    kernel = next(kernel for kernel in KERNELS if kernel.supports(weight, dtype, device))
+    weight_only = not isinstance(weight.weight, QuantizedWeight) or weight.weight.input_activations is None
+    kernels = [DenseLinear] if dense and weight_only else KERNELS
+    kernel = next(kernel for kernel in kernels if kernel.supports(weight, dtype, device))
     return kernel(weight, dtype, device).to(device)
