@@ -21,7 +21,7 @@ from llmc.runtime.spec.stats import SpecStats
 
 ROOT = Path(__file__).resolve().parents[1]
 MT_BENCH = ROOT.parent / "shared" / "data" / "mt_bench" / "question.jsonl"
-SHAPES = ["3:0:0", "4:7:0", "4:7:0.1", "4:7:0.2", "4:7:0.3", "5:11:0.2", "3:3:0.1"]  # README's table
+SHAPES = ["4:7:0.3", "4:7:0", "5:16:0", "6:32:0", "6:60:0"]  # README's table: the default, then wider trees
 
 
 @dataclass
