@@ -15,7 +15,7 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     dtype: torch.dtype = torch.bfloat16  # float32 runs the exact path (dense matmuls), bfloat16 the int4 kernels
     # weight-only quantized weights dequantized at load onto dense matmuls: the same weights, at other rounding than
-    # the serving kernels; on CPU several times faster at many rows a step (torch's int4 kernel: 6x at 64 rows, 10x at 512)
+    # the serving kernels; on CPU faster at many rows a step (torch's int4 kernel takes 6x as long at 64 rows, 10x at 512)
     dense_weights: bool = False
     device: str = "cpu"
     enforce_eager: bool = False  # CUDA: run decode steps eagerly instead of replaying captured CUDA graphs
