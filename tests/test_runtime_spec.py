@@ -182,14 +182,20 @@ def test_governor_times_steps_per_batch_size_and_pools_acceptance_over_all_of_th
     assert governor.rate(8, True) / at_8 == pytest.approx(governor.rate(2, True) / 50)  # batch 8 knows it too
 
 
+def eagle_paused_for_8_steps(tiny_llama: Path, trained_eagle: Path) -> LLMEngine:
+    """An EAGLE engine whose governor drafts the first 3 decisions, pauses for the next 8, then drafts on."""
+    engine = build(tiny_llama, speculative=trained_eagle, adaptive_speculation=True, num_speculative_tokens=3, speculative_tree_nodes=6)
+    decisions = iter([True] * 3 + [False] * 8 + [True] * 100)
+    engine.runner.speculator.governor.should_draft = lambda num_seqs: next(decisions)
+    return engine
+
+
 def test_a_pause_is_caught_up_off_the_clock_of_the_step_that_resumes_drafting(tiny_llama, trained, trained_eagle, monkeypatch):
     """The pairs that waited while drafting was off go into the EAGLE layer when it resumes: deferred work that
     drafting every step would have spread over the paused steps, so the governor's probe does not pay for it."""
     _, prompts = trained
-    engine = build(tiny_llama, speculative=trained_eagle, adaptive_speculation=True, num_speculative_tokens=3, speculative_tree_nodes=6)
+    engine = eagle_paused_for_8_steps(tiny_llama, trained_eagle)
     speculator = engine.runner.speculator
-    decisions = iter([True] * 3 + [False] * 8 + [True] * 100)
-    speculator.governor.should_draft = lambda num_seqs: next(decisions)
     joined, recorded = Observed.joined, []
     monkeypatch.setattr(Observed, "joined", classmethod(lambda cls, items: time.sleep(0.3) or joined(items)))
     record = speculator.governor.record
@@ -252,10 +258,8 @@ def test_observations_join_into_one_run_of_positions():
 def test_eagle_takes_the_pairs_of_undrafted_steps_when_drafting_resumes(tiny_llama, trained, trained_eagle):
     """Drafting pauses (the governor's choice, or load) cost nothing and leave no hole in the draft's context."""
     _, prompts = trained
-    engine = build(tiny_llama, speculative=trained_eagle, adaptive_speculation=True, num_speculative_tokens=3, speculative_tree_nodes=6)
+    engine = eagle_paused_for_8_steps(tiny_llama, trained_eagle)
     speculator = engine.runner.speculator
-    decisions = iter([True] * 3 + [False] * 8 + [True] * 100)
-    speculator.governor.should_draft = lambda num_seqs: next(decisions)
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
     seq = engine.add_request(prompts[0], params)
     for _ in range(11):
