@@ -4,11 +4,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 from click.testing import CliRunner
+from transformers import AutoConfig
 
 from conftest import write_recipe
 from llmc.artifact.inspect import describe_artifact
 from llmc.cli import cli
-from llmc.draft.build import most_frequent_tokens, train_draft
+from llmc.draft.build import held_out_split, train_eagle, medusa_rows, medusa_top1, most_frequent_tokens, train_draft
 from llmc.draft.data import DistillSet, cached_self_distill, load_distill_set, save_distill_set
 from llmc.draft.eagle import OUT_OF_VOCAB, TOKEN_LOSS_WEIGHT, EagleDraft, EagleShape
 from llmc.draft.medusa import MedusaHeads, medusa_labels
@@ -20,11 +21,34 @@ from llmc.recipe import DraftConfig, load_recipe
 STAGE = "  - type: rtn\n    scheme: W4A16\n    weights: {group_size: 32}\n"
 
 
-def test_medusa_heads_start_as_the_lm_head():
-    heads = MedusaHeads(8, 3)
+def test_medusa_heads_start_as_the_lm_head_over_the_draft_vocabulary():
+    lm_head, vocab = torch.randn(16, 8), torch.tensor([2, 5, 11])
+    heads = MedusaHeads.from_lm_head(lm_head, vocab, 3)
     hidden = torch.randn(5, 8)
-    assert torch.equal(heads(hidden), hidden.expand(3, 5, 8))
+    assert torch.equal(heads(hidden), (hidden @ lm_head[vocab].T).expand(3, 5, 3))
+    assert heads.vocab.tolist() == [2, 5, 11]
     assert medusa_labels([10, 11, 12, 13, 14], 1, 2).tolist() == [[13, 14], [14, -100], [-100, -100]]
+
+
+def test_medusa_rows_map_labels_into_the_draft_vocabulary_and_top1_counts_unknown_tokens_as_missed():
+    to_vocab = torch.full((16,), OUT_OF_VOCAB)
+    to_vocab[torch.tensor([3, 4, 5])] = torch.tensor([0, 1, 2])
+    hidden = torch.arange(5.0)[:, None].expand(5, 8)  # one per token but the last
+    rows, labels = medusa_rows([([1, 2, 3, 9, 5, 4], hidden, 2)], to_vocab, 2)
+    assert torch.equal(rows, hidden[1:]) and labels.tolist() == [[OUT_OF_VOCAB, 2], [2, 1], [1, -100], [-100, -100]]
+    heads = MedusaHeads(8, 2, 3)
+    with torch.no_grad():
+        for projection in heads.projections:
+            projection.weight.copy_(torch.tensor([[1.0] * 8, [0.0] * 8, [-1.0] * 8]))  # always guesses index 0
+    labels[:, 0] = torch.tensor([0, 0, 1, 0])
+    assert medusa_top1(heads, rows, labels) == [0.75, 0.0]
+    assert heads.loss(rows, labels).isfinite()  # unknown tokens and ends carry no loss
+
+
+def test_one_answer_in_25_is_held_out_of_training():
+    training, held_out = held_out_split(list(range(60)))
+    assert held_out == [0, 25, 50] and training == [i for i in range(60) if i not in (0, 25, 50)]
+    assert held_out_split([7]) == ([7], [])
 
 
 def test_training_resumes_from_its_checkpoint(tmp_path):
@@ -35,14 +59,14 @@ def test_training_resumes_from_its_checkpoint(tmp_path):
         def loss_fn(step):
             if step == fail_at:
                 raise KeyboardInterrupt
-            return heads.loss(hidden, labels, lm_head)
+            return heads.loss(hidden, labels)
         return train(heads, loss_fn, TrainConfig(steps=12, lr=1e-2, checkpoint_every=4), tmp_path, "test")
 
-    straight = run(MedusaHeads(8, 2))
+    straight = run(MedusaHeads.from_lm_head(lm_head, torch.arange(16), 2))
     with pytest.raises(KeyboardInterrupt):
-        run(MedusaHeads(8, 2), fail_at=10)
+        run(MedusaHeads.from_lm_head(lm_head, torch.arange(16), 2), fail_at=10)
     assert (tmp_path / CHECKPOINT).is_file()
-    resumed = run(MedusaHeads(8, 2))
+    resumed = run(MedusaHeads.from_lm_head(lm_head, torch.arange(16), 2))
     assert len(resumed) == 12 and resumed == pytest.approx(straight, rel=1e-5)
     assert straight[-1] < straight[0]
     assert (tmp_path / "loss.png").is_file() and not (tmp_path / CHECKPOINT).exists()
@@ -61,6 +85,11 @@ def test_recipe_draft_trains_heads_into_the_artifact(tmp_path, tiny_llama, calib
     info = describe_artifact(artifact)
     assert info["draft"]["method"] == method and info["draft"]["trained_on"]["num_answers"] == 4 + 2  # distinct prompts
     assert "draft/heads.safetensors" in info["manifest"]["files"]
+    listed = " ".join(CliRunner().invoke(cli, ["inspect", str(artifact)]).output.split())
+    if method == "medusa":  # EAGLE's windows take the longest answers only: too few of these six to hold one out
+        held_out = info["draft"]["train"]["heldout_top1_per_head"]
+        assert info["draft"]["trained_on"]["num_held_out"] == 1 and len(held_out) == 2
+        assert f"held out {', '.join(f'{value:.2f}' for value in held_out)}" in listed
     histogram = tmp_path / "accepted.png"
     run = CliRunner().invoke(cli, ["eval", str(artifact), "--speculative", "auto", "--prompts", str(calib_file), "--num-prompts", "2",
                                    "--max-tokens", "12", "--concurrency", "2", "--histogram", str(histogram), "--json",
@@ -146,3 +175,19 @@ def test_mt_bench_is_refused_as_training_prompts(tmp_path):
     path.write_text(json.dumps({"question_id": 81, "category": "writing", "turns": ["Compose a blog post."]}) + "\n")
     with pytest.raises(LlmcError, match="evaluation set"):
         check_not_eval_set(path)
+
+
+def test_eagle_top1_on_held_out_answers_is_measured_on_answers_it_never_trained_on(tmp_path, tiny_llama):
+    """Training answers count up one token at a time, the held-out ones (every 25th) are random: the draft learns to
+    count, which its training top-1 shows and its held-out top-1 must not."""
+    hf = AutoConfig.from_pretrained(tiny_llama)
+    generator = torch.Generator().manual_seed(0)
+    counting = lambda start: [(start + k) % hf.vocab_size for k in range(40)]
+    token_ids = [torch.randint(hf.vocab_size, (40,), generator=generator).tolist() if index % 25 == 0 else counting(index)
+                 for index in range(50)]
+    data = DistillSet(token_ids, [torch.randn(39, hf.hidden_size, generator=generator) for _ in token_ids], [4] * 50,
+                      torch.randn(hf.vocab_size, hf.hidden_size, generator=generator))
+    summary = train_eagle(data, DraftConfig(method="eagle", steps=150, batch_size=64, lr=3e-3), tmp_path, tiny_llama)
+    assert summary["trained_on"]["num_held_out"] == 2
+    train_top1, held_out_top1 = summary["train"]["train_top1_per_step"], summary["train"]["heldout_top1_per_step"]
+    assert min(train_top1) >= 0.4 and max(held_out_top1) <= 0.1, (train_top1, held_out_top1)  # chance: 1 / vocab

@@ -55,13 +55,16 @@ def test_smollm2_w4a16_greedy_equals_transformers_on_dequantized_weights(artifac
 
 
 def test_smollm2_bfloat16_greedy_speculative_output_equals_plain_decoding(artifact, tmp_path):
-    """Untrained (identity) Medusa heads: mostly rejected drafts, so every step verifies several rows. Before draft
-    rows were attended one by one, bfloat16 outputs diverged from plain decoding within 30 tokens on 4 of 4 prompts."""
+    """Untrained Medusa heads (each a copy of the next-token guess): mostly rejected drafts, so every step verifies
+    several rows. Before draft rows were attended one by one, bfloat16 outputs diverged from plain decoding within 30
+    tokens on 4 of 4 prompts."""
     from llmc.draft.medusa import MedusaHeads
     from llmc.draft.store import save_draft, save_heads
+    from llmc.runtime.loader import WeightLoader
 
-    save_heads(tmp_path, MedusaHeads(576, 4))
-    save_draft(tmp_path, {"method": "medusa", "num_heads": 4, "hidden_size": 576})
+    lm_head = WeightLoader(artifact, torch.float32, "cpu").tensor("model.embed_tokens.weight")
+    save_heads(tmp_path, MedusaHeads.from_lm_head(lm_head, torch.arange(8192), 4))
+    save_draft(tmp_path, {"method": "medusa", "num_heads": 4, "hidden_size": 576, "draft_vocab_size": 8192})
     params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
     plain = LLMEngine(str(artifact), EngineConfig(kv_cache_gib=0.1))
     speculative = LLMEngine(str(artifact), EngineConfig(kv_cache_gib=0.1, speculative=tmp_path, adaptive_speculation=False))

@@ -68,10 +68,12 @@ def print_artifact(info: dict, console: Console) -> None:
     if draft:
         train = draft["train"]
         heads = f"{draft['num_heads']} x medusa" if draft["method"] == "medusa" else draft["method"]
-        top1 = train.get("train_top1_per_head") or [train["train_top1"]]
+        top1 = train.get("train_top1_per_head") or train["train_top1_per_step"]
+        held_out = train.get("heldout_top1_per_head") or train.get("heldout_top1_per_step")
         console.print(f"draft heads: {heads} in draft/, trained {train['steps']} steps on "
                       f"{draft['trained_on']['answer_tokens']} self-distilled tokens ({draft['trained_on']['prompts']}); "
-                      f"train top-1 {', '.join(f'{value:.2f}' for value in top1)}")
+                      f"top-1 train {', '.join(f'{value:.2f}' for value in top1)}"
+                      + (f", held out {', '.join(f'{value:.2f}' for value in held_out)}" if held_out else ""))
     else:
         console.print("draft heads: none (`llmc train-draft ARTIFACT` adds them)")
     console.print(f"files: {len(manifest['files'])} with SHA-256 in llmc.json")

@@ -19,6 +19,8 @@ from llmc.runtime.loader import WeightLoader
 
 EAGLE_WINDOW = 128  # tokens per training window (fewer when the answers are shorter)
 DRAFT_VOCAB_SIZE = 8192  # the draft guesses among the answers' most frequent tokens: its LM head costs a sixth of the target's
+EVAL_BATCHES = 8  # held-out batches the EAGLE draft's top-1 is measured on
+HELD_OUT_EVERY = 25  # every 25th answer stays out of training: the draft's top-1 on it is what serving can expect
 
 
 def train_draft(artifact: Path, config: DraftConfig) -> Path:
@@ -39,28 +41,61 @@ def train_draft(artifact: Path, config: DraftConfig) -> Path:
     return folder
 
 
+def held_out_split(items: list) -> tuple[list, list]:
+    """(training, held out): every HELD_OUT_EVERY-th item, the first included, stays out of training when there are two or more."""
+    if len(items) < 2:
+        return items, []
+    return [item for index, item in enumerate(items) if index % HELD_OUT_EVERY], items[::HELD_OUT_EVERY]
+
+
+def draft_vocabulary(answers: list[torch.Tensor], vocab_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The answers' DRAFT_VOCAB_SIZE most frequent token ids, and every token id's index among them (OUT_OF_VOCAB if none)."""
+    vocab = most_frequent_tokens(answers, vocab_size, DRAFT_VOCAB_SIZE)
+    to_vocab = torch.full((vocab_size,), OUT_OF_VOCAB, dtype=torch.long)
+    to_vocab[vocab] = torch.arange(len(vocab))
+    return vocab, to_vocab
+
+
+def medusa_rows(seqs: list[tuple[list[int], torch.Tensor, int]], to_vocab: torch.Tensor, num_heads: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The answer positions' features [N, hidden] and what each head must guess there [N, num_heads], as draft
+    vocabulary indices (OUT_OF_VOCAB: a token no head can guess, -100: past the answer's end)."""
+    hidden = torch.cat([h[start - 1 :] for _, h, start in seqs])
+    labels = torch.cat([medusa_labels(ids, start - 1, num_heads) for ids, _, start in seqs])
+    return hidden, torch.where(labels >= 0, to_vocab[labels.clamp(min=0)], labels)
+
+
+def medusa_top1(heads: MedusaHeads, hidden: torch.Tensor, labels: torch.Tensor, chunk: int = 4096) -> list[float]:
+    """Per head, the share of positions whose token it ranks first (a token outside the draft vocabulary counts as missed)."""
+    hits, counted = torch.zeros(heads.num_heads), torch.zeros(heads.num_heads)
+    with torch.no_grad():
+        for first in range(0, len(hidden), chunk):
+            guesses, truth = heads(hidden[first : first + chunk]).argmax(-1).T, labels[first : first + chunk]
+            hits += ((guesses == truth) & (truth != -100)).sum(0)
+            counted += (truth != -100).sum(0)
+    return [round(value, 4) for value in (hits / counted.clamp(min=1)).tolist()]
+
+
 def train_medusa(data: DistillSet, config: DraftConfig, folder: Path) -> dict:
     """Train Medusa heads on self-distilled data into folder; returns the summary that goes in its config.json."""
-    hidden = torch.cat([h[start - 1 :] for h, start in zip(data.hidden, data.answer_starts)])
-    labels = torch.cat([medusa_labels(ids, start - 1, config.num_heads) for ids, start in zip(data.token_ids, data.answer_starts)])
-    heads = MedusaHeads(hidden.shape[1], config.num_heads)
+    training, held_out = held_out_split(list(zip(data.token_ids, data.hidden, data.answer_starts)))
+    vocab, to_vocab = draft_vocabulary([torch.tensor(ids[start:]) for ids, _, start in training], len(data.lm_head))
+    hidden, labels = medusa_rows(training, to_vocab, config.num_heads)
+    heads = MedusaHeads.from_lm_head(data.lm_head, vocab, config.num_heads)
     generator = torch.Generator().manual_seed(config.seed)
 
     def loss_fn(step: int) -> torch.Tensor:
         rows = torch.randint(len(hidden), (config.batch_size,), generator=generator)
-        return heads.loss(hidden[rows], labels[rows], data.lm_head)
+        return heads.loss(hidden[rows], labels[rows])
 
     train_config = TrainConfig(steps=config.steps, lr=config.lr, seed=config.seed)
     losses = train(heads, loss_fn, train_config, folder, f"medusa heads ({config.num_heads})")
-    with torch.no_grad():
-        logits = heads(hidden[-4096:]) @ data.lm_head.T
-        valid = labels[-4096:] != -100
-        top1 = ((logits.argmax(-1).T == labels[-4096:]) & valid).sum(0) / valid.sum(0)
     summary = {
-        "method": "medusa", "num_heads": config.num_heads, "hidden_size": hidden.shape[1],
-        "trained_on": {"prompts": config.prompts, "num_answers": len(data.token_ids), "answer_tokens": data.num_answer_tokens},
+        "method": "medusa", "num_heads": config.num_heads, "hidden_size": hidden.shape[1], "draft_vocab_size": len(vocab),
+        "trained_on": {"prompts": config.prompts, "num_answers": len(data.token_ids), "num_held_out": len(held_out),
+                       "answer_tokens": data.num_answer_tokens},
         "train": {"steps": config.steps, "batch_size": config.batch_size, "lr": config.lr, "final_loss": losses[-1],
-                  "train_top1_per_head": [round(value, 4) for value in top1.tolist()]},
+                  "train_top1_per_head": medusa_top1(heads, hidden[-4096:], labels[-4096:]),
+                  "heldout_top1_per_head": medusa_top1(heads, *medusa_rows(held_out, to_vocab, config.num_heads)) if held_out else None},
     }
     save_heads(folder, heads)
     save_draft(folder, summary)
@@ -91,11 +126,10 @@ def train_eagle(data: DistillSet, config: DraftConfig, folder: Path, artifact: P
     window_len = min(EAGLE_WINDOW, max(len(ids) for ids in data.token_ids) - unroll - 1)
     seqs = [(torch.tensor(ids), hidden, start) for ids, hidden, start in zip(data.token_ids, data.hidden, data.answer_starts)
             if len(ids) >= window_len + unroll + 1 and start + 1 < len(ids)]
-    vocab = most_frequent_tokens([ids[start:] for ids, _, start in seqs], len(data.lm_head), DRAFT_VOCAB_SIZE)
-    to_vocab = torch.full((len(data.lm_head),), OUT_OF_VOCAB, dtype=torch.long)
-    to_vocab[vocab] = torch.arange(len(vocab))
+    training, held_out = held_out_split(seqs)
+    vocab, to_vocab = draft_vocabulary([ids[start:] for ids, _, start in training], len(data.lm_head))
     lm_head = data.lm_head[vocab]
-    noise_scale = torch.cat([hidden for _, hidden, _ in seqs]).pow(2).mean().sqrt().item()
+    noise_scale = torch.cat([hidden for _, hidden, _ in training]).pow(2).mean().sqrt().item()
     shape = eagle_shape(artifact, len(vocab))
     draft = EagleDraft(shape)
     draft.vocab.copy_(vocab)
@@ -111,28 +145,35 @@ def train_eagle(data: DistillSet, config: DraftConfig, folder: Path, artifact: P
         labels = torch.where(after >= answer_start, to_vocab[ids[start + 2 : end + unroll + 1]], -100)
         return hidden[start : end + unroll], embeddings[ids[start + 1 : end + unroll]], torch.arange(start, end), labels
 
-    def batch() -> list[torch.Tensor]:
-        picks = torch.randint(len(seqs), (num_windows,), generator=generator).tolist()
-        return [torch.stack(parts) for parts in zip(*(window(*seqs[index]) for index in picks))]
+    def batch(pool: list) -> list[torch.Tensor]:
+        picks = torch.randint(len(pool), (num_windows,), generator=generator).tolist()
+        return [torch.stack(parts) for parts in zip(*(window(*pool[index]) for index in picks))]
 
     def loss_fn(step: int) -> torch.Tensor:
-        return draft.loss(*batch(), lm_head, noise_scale, unroll)
+        return draft.loss(*batch(training), lm_head, noise_scale, unroll)
+
+    def top1_per_step(pool: list, num_batches: int) -> list[float]:
+        """Per unrolled step, the share of answer tokens the draft ranks first, drafting from the target's features."""
+        hits, counted = torch.zeros(unroll), torch.zeros(unroll)
+        with torch.no_grad():
+            for _ in range(num_batches):
+                features, embedded, positions, labels = batch(pool)
+                for step, predicted in enumerate(draft.unrolled(features[:, :window_len], embedded, positions, unroll)):
+                    step_labels = labels[:, step : step + window_len]
+                    valid = step_labels != -100
+                    hits[step] += ((predicted @ lm_head.T).argmax(-1) == step_labels)[valid].sum()
+                    counted[step] += valid.sum()
+        return [round(value, 4) for value in (hits / counted.clamp(min=1)).tolist()]
 
     train_config = TrainConfig(steps=config.steps, lr=config.lr, seed=config.seed)
     losses = train(draft, loss_fn, train_config, folder, "eagle draft")
-    with torch.no_grad():
-        features, embedded, positions, labels = batch()
-        steps = draft.unrolled(features[:, :window_len], embedded, positions, unroll)
-        top1 = []
-        for step, predicted in enumerate(steps):
-            step_labels = labels[:, step : step + window_len]
-            valid = step_labels != -100
-            top1.append(((predicted @ lm_head.T).argmax(-1) == step_labels)[valid].float().mean().item())
     summary = {
         "method": "eagle", "hidden_size": shape.hidden_size, "shape": asdict(shape),
-        "trained_on": {"prompts": config.prompts, "num_answers": len(data.token_ids), "answer_tokens": data.num_answer_tokens},
+        "trained_on": {"prompts": config.prompts, "num_answers": len(data.token_ids), "num_held_out": len(held_out),
+                       "answer_tokens": data.num_answer_tokens},
         "train": {"steps": config.steps, "batch_size": num_windows * window_len, "lr": config.lr, "final_loss": losses[-1],
-                  "unroll": unroll, "train_top1_per_step": [round(value, 4) for value in top1]},
+                  "unroll": unroll, "train_top1_per_step": top1_per_step(training, 1),
+                  "heldout_top1_per_step": top1_per_step(held_out, EVAL_BATCHES) if held_out else None},
     }
     save_heads(folder, draft)
     save_draft(folder, summary)

@@ -1,6 +1,7 @@
-"""Medusa heads: K residual SiLU blocks on the target's last hidden state; head k guesses the token k + 2 ahead.
-Every head projects through the target's own LM head, frozen, so the heads are small and start as exact copies of
-the target's next-token guess."""
+"""Medusa heads: K residual SiLU blocks on the target's last hidden state, each with its own vocabulary projection;
+head k guesses the token k + 2 ahead. The projections cover the draft vocabulary (the answers' most frequent tokens)
+and start as those rows of the target's LM head, so every head starts as an exact copy of the target's next-token
+guess and then learns its own."""
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -20,21 +21,33 @@ class ResBlock(nn.Module):
 
 
 class MedusaHeads(nn.Module):
-    def __init__(self, hidden_size: int, num_heads: int):
+    def __init__(self, hidden_size: int, num_heads: int, draft_vocab_size: int):
         super().__init__()
         self.blocks = nn.ModuleList(ResBlock(hidden_size) for _ in range(num_heads))
+        self.projections = nn.ModuleList(nn.Linear(hidden_size, draft_vocab_size, bias=False) for _ in range(num_heads))
+        self.register_buffer("vocab", torch.zeros(draft_vocab_size, dtype=torch.long))  # token id of each draft guess
+
+    @classmethod
+    def from_lm_head(cls, lm_head: torch.Tensor, vocab: torch.Tensor, num_heads: int) -> "MedusaHeads":
+        """Heads over the draft vocabulary `vocab` (token ids), projections initialised from lm_head [vocab, hidden]."""
+        heads = cls(lm_head.shape[1], num_heads, len(vocab))
+        heads.vocab.copy_(vocab)
+        with torch.no_grad():
+            for projection in heads.projections:
+                projection.weight.copy_(lm_head[vocab])
+        return heads
 
     @property
     def num_heads(self) -> int:
         return len(self.blocks)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        """[N, hidden] -> [num_heads, N, hidden], to go through the LM head."""
-        return torch.stack([block(hidden) for block in self.blocks])
+        """[N, hidden] -> logits over the draft vocabulary [num_heads, N, draft_vocab]."""
+        return torch.stack([projection(block(hidden)) for block, projection in zip(self.blocks, self.projections)])
 
-    def loss(self, hidden: torch.Tensor, labels: torch.Tensor, lm_head: torch.Tensor) -> torch.Tensor:
-        """hidden [N, hidden], labels [N, num_heads] (-100 past the sequence end), lm_head [vocab, hidden] frozen."""
-        logits = self(hidden) @ lm_head.T
+    def loss(self, hidden: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """hidden [N, hidden], labels [N, num_heads] as indices into the draft vocabulary (negative: no loss)."""
+        logits, labels = self(hidden), labels.masked_fill(labels < 0, -100)
         losses = [F.cross_entropy(logits[k], labels[:, k], ignore_index=-100) for k in range(self.num_heads)]
         return sum(LOSS_DECAY**k * loss for k, loss in enumerate(losses))
 

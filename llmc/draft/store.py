@@ -33,7 +33,9 @@ def read_draft_config(folder: Path) -> dict:
 def load_draft(folder: Path, dtype: torch.dtype, device: str) -> tuple[dict, nn.Module]:
     config = read_draft_config(folder)
     if config.get("method") == "medusa":
-        heads = MedusaHeads(config["hidden_size"], config["num_heads"])
+        if "draft_vocab_size" not in config:
+            raise LlmcError(f"{folder}: Medusa heads of an earlier llmc (no vocabulary projections); retrain them with `llmc train-draft`")
+        heads = MedusaHeads(config["hidden_size"], config["num_heads"], config["draft_vocab_size"])
     elif config.get("method") == "eagle":
         heads = EagleDraft(EagleShape(**config["shape"]))
     else:

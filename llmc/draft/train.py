@@ -3,7 +3,7 @@ checkpoint (weights, optimizer moments and losses in one safetensors file) and a
 import json
 import math
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -12,6 +12,7 @@ from torch import nn
 from tqdm import tqdm
 
 from llmc.plot import saved_figure
+from llmc.runtime.config import native_bfloat16
 
 CHECKPOINT = "checkpoint.safetensors"
 
@@ -24,7 +25,9 @@ class TrainConfig:
     grad_clip: float = 1.0
     checkpoint_every: int = 50
     seed: int = 0
-    mixed_precision: bool = True  # the loss computed under bfloat16 autocast (about 2x on CPU); weights and moments stay float32
+    # the loss computed under bfloat16 autocast (about 2x on a CPU with bfloat16 matmuls, far slower on one without);
+    # weights and moments stay float32
+    mixed_precision: bool = field(default_factory=lambda: native_bfloat16("cpu"))
 
 
 def learning_rate(step: int, config: TrainConfig) -> float:

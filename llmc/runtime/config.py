@@ -26,3 +26,11 @@ class EngineConfig:
     speculative_min_confidence: float | None = None  # verify only draft nodes whose path the draft finds at least this probable
     speculative_max_num_seqs: int = 4  # above this many sequences in a step, decode without drafts
     adaptive_speculation: bool = True  # draft only while measured decode throughput with drafts beats it without
+
+
+def native_bfloat16(device: str) -> bool:
+    """Whether bfloat16 matmuls run in hardware. A CPU without AVX-512 BF16 or AMX has torch emulate them: on such
+    a machine (AVX2) a 256 x 576 x 8192 matmul took 4x float32's time forward and up to 80x backward."""
+    if device.startswith("cuda"):
+        return True
+    return torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()

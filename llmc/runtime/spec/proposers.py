@@ -8,6 +8,7 @@ import torch
 from torch import nn
 
 from llmc.draft.eagle import EagleDraft
+from llmc.draft.medusa import MedusaHeads
 from llmc.errors import LlmcError
 from llmc.runtime.config import EngineConfig
 from llmc.runtime.models.llama import LlamaForCausalLM
@@ -61,8 +62,8 @@ class MedusaProposer:
 
     catch_up_seconds = 0.0  # the heads read the last feature only: a pause leaves nothing to catch up
 
-    def __init__(self, heads: nn.Module, model: LlamaForCausalLM, depth: int, num_nodes: int, top_k: int, min_score: float):
-        self.heads, self.compute_logits = heads, model.compute_logits
+    def __init__(self, heads: MedusaHeads, depth: int, num_nodes: int, top_k: int, min_score: float):
+        self.heads = heads
         self.max_depth, self.num_nodes, self.top_k, self.min_score = depth, num_nodes, top_k, min_score
 
     def propose(self, observed: list[Observed], drafting: bool) -> dict:
@@ -70,9 +71,9 @@ class MedusaProposer:
         if not drafting or not sampled:
             return {}
         last = torch.stack([item.features[-1] for item in sampled])
-        logits = self.compute_logits(self.heads(last)[: self.max_depth].flatten(0, 1)).view(self.max_depth, len(sampled), -1)
+        logits = self.heads(last)[: self.max_depth]
         top = logits.float().log_softmax(-1).topk(self.top_k, dim=-1)  # [depth, sequences, top_k]
-        values, token_ids = top.values.cpu(), top.indices.cpu()
+        values, token_ids = top.values.cpu(), self.heads.vocab[top.indices].cpu()
         trees = {}
         for column, item in enumerate(sampled):
             tree, scores, frontier = DraftTree(), [], [ROOT]
@@ -211,5 +212,6 @@ def build_proposer(draft_config: dict, heads: nn.Module, model: LlamaForCausalLM
     min_confidence = default.min_confidence if config.speculative_min_confidence is None else config.speculative_min_confidence
     min_score = math.log(min_confidence) if min_confidence > 0 else -math.inf  # a path's log-probability
     top_k = max(TREE_TOP_K, -(-num_nodes // depth)) if num_nodes > depth else 1  # each level keeps top_k paths: enough to fill
-    proposer = MedusaProposer if draft_config["method"] == "medusa" else EagleProposer
-    return proposer(heads, model, depth, num_nodes, top_k, min_score)
+    if draft_config["method"] == "medusa":
+        return MedusaProposer(heads, depth, num_nodes, top_k, min_score)
+    return EagleProposer(heads, model, depth, num_nodes, top_k, min_score)
