@@ -191,3 +191,11 @@ def test_eagle_top1_on_held_out_answers_is_measured_on_answers_it_never_trained_
     assert summary["trained_on"]["num_held_out"] == 2
     train_top1, held_out_top1 = summary["train"]["train_top1_per_step"], summary["train"]["heldout_top1_per_step"]
     assert min(train_top1) >= 0.4 and max(held_out_top1) <= 0.1, (train_top1, held_out_top1)  # chance: 1 / vocab
+
+
+def test_medusa_heads_of_an_earlier_llmc_are_refused_with_a_way_out(tmp_path):
+    from llmc.draft.store import load_draft, save_draft
+
+    save_draft(tmp_path, {"method": "medusa", "num_heads": 4, "hidden_size": 576})  # no draft vocabulary: frozen-head era
+    with pytest.raises(LlmcError, match="earlier llmc.*retrain them with `llmc train-draft`"):
+        load_draft(tmp_path, torch.float32, "cpu")
