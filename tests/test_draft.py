@@ -9,7 +9,7 @@ from transformers import AutoConfig
 from conftest import write_recipe
 from llmc.artifact.inspect import describe_artifact
 from llmc.cli import cli
-from llmc.draft.build import held_out_split, train_eagle, medusa_rows, medusa_top1, most_frequent_tokens, train_draft
+from llmc.draft.build import held_out_split, medusa_rows, medusa_top1, most_frequent_tokens, train_draft, train_eagle
 from llmc.draft.data import DistillSet, cached_self_distill, load_distill_set, save_distill_set
 from llmc.draft.eagle import OUT_OF_VOCAB, TOKEN_LOSS_WEIGHT, EagleDraft, EagleShape
 from llmc.draft.medusa import MedusaHeads, medusa_labels
@@ -26,7 +26,7 @@ def test_medusa_heads_start_as_the_lm_head_over_the_draft_vocabulary():
     heads = MedusaHeads.from_lm_head(lm_head, vocab, 3)
     hidden = torch.randn(5, 8)
     assert torch.equal(heads(hidden), (hidden @ lm_head[vocab].T).expand(3, 5, 3))
-    assert heads.vocab.tolist() == [2, 5, 11]
+    assert heads.vocab.tolist() == [2, 5, 11] and torch.equal(heads(hidden, 2), heads(hidden)[:2])
     assert medusa_labels([10, 11, 12, 13, 14], 1, 2).tolist() == [[13, 14], [14, -100], [-100, -100]]
 
 

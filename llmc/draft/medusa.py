@@ -41,9 +41,10 @@ class MedusaHeads(nn.Module):
     def num_heads(self) -> int:
         return len(self.blocks)
 
-    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        """[N, hidden] -> logits over the draft vocabulary [num_heads, N, draft_vocab]."""
-        return torch.stack([projection(block(hidden)) for block, projection in zip(self.blocks, self.projections)])
+    def forward(self, hidden: torch.Tensor, num_heads: int | None = None) -> torch.Tensor:
+        """[N, hidden] -> logits over the draft vocabulary [num_heads, N, draft_vocab] of the first num_heads (default all)."""
+        pairs = list(zip(self.blocks, self.projections))[:num_heads]
+        return torch.stack([projection(block(hidden)) for block, projection in pairs])
 
     def loss(self, hidden: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         """hidden [N, hidden], labels [N, num_heads] as indices into the draft vocabulary (negative: no loss)."""

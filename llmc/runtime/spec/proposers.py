@@ -71,7 +71,7 @@ class MedusaProposer:
         if not drafting or not sampled:
             return {}
         last = torch.stack([item.features[-1] for item in sampled])
-        logits = self.heads(last)[: self.max_depth]
+        logits = self.heads(last, self.max_depth)
         top = logits.float().log_softmax(-1).topk(self.top_k, dim=-1)  # [depth, sequences, top_k]
         values, token_ids = top.values.cpu(), self.heads.vocab[top.indices].cpu()
         trees = {}
