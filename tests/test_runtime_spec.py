@@ -1,3 +1,4 @@
+import math
 import time
 from pathlib import Path
 
@@ -95,6 +96,37 @@ def test_a_confidence_threshold_drafts_fewer_nodes_and_keeps_greedy_output_exact
     # the nodes kept are the likeliest to be accepted: each verified node is accepted more often
     assert confident.num_accepted_tokens / confident.num_draft_tokens > every.num_accepted_tokens / every.num_draft_tokens
     assert every.tokens_per_step == pytest.approx(1 + every.num_accepted_tokens / every.num_steps)
+
+
+def test_eagle_feeds_only_confident_nodes_into_its_layer(tiny_llama, trained, trained_eagle, monkeypatch):
+    """A path below the confidence threshold has no descendant above it, so each drafted level feeds the EAGLE layer
+    only its nodes at or above the threshold (before, the level's 4 best paths went in whatever their probability)."""
+    _, prompts = trained
+    params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+    threshold = 0.1
+    engine = build(tiny_llama, speculative=trained_eagle, num_speculative_tokens=4, speculative_tree_nodes=8,
+                   speculative_min_confidence=threshold)
+    proposer = engine.runner.speculator.proposer
+    draft_forward, drafting, fed, levels = proposer.draft.forward, proposer._draft, [], []
+
+    def recording_level(tree, scores, *args):
+        level = add_level(tree, scores, *args)
+        levels.append([scores[node] for node in level])
+        return level
+
+    def recording_draft(cache):
+        proposer.draft.forward = lambda features, *args: fed.append((len(levels), features.shape[1])) or draft_forward(features, *args)
+        try:
+            return drafting(cache)
+        finally:
+            del proposer.draft.forward
+
+    monkeypatch.setattr(proposer, "_draft", recording_draft)
+    monkeypatch.setattr("llmc.runtime.spec.proposers.add_level", recording_level)
+    assert [out["token_ids"] for out in engine.generate(prompts, params)] == [out["token_ids"] for out in build(tiny_llama).generate(prompts, params)]
+    confident = [sum(score >= math.log(threshold) for score in levels[index - 1]) for index, _ in fed]
+    assert fed and [rows for _, rows in fed] == confident
+    assert any(len(levels[index - 1]) > rows for index, rows in fed)  # some unconfident node was left out
 
 
 def test_a_tree_level_keeps_the_most_probable_paths_below_any_node():

@@ -153,17 +153,21 @@ class EagleProposer:
     def _draft(self, cache: EagleCache) -> DraftTree:
         tree, scores = DraftTree(), []
         keys, values = cache.keys, cache.values
+        columns: dict[int, int] = {}  # the key column of each node fed into the layer
         frontier, frontier_features = [ROOT], cache.last_output[None]
         for depth in range(1, self.max_depth + 1):
             top = (frontier_features @ self.lm_head.T).float().log_softmax(-1).cpu().topk(self.top_k, dim=-1)
             parents, level = frontier, add_level(tree, scores, frontier, top.values, self.draft.vocab[top.indices])
-            if depth == self.max_depth or max(scores[node] for node in level) < self.min_score:
+            # a path below min_score has no descendant above it: only the confident nodes are worth expanding
+            level = [node for node in level if scores[node] >= self.min_score]
+            if depth == self.max_depth or not level:
                 break
             parent_rows = [parents.index(tree.parents[node]) for node in level]
-            visible = torch.ones(len(level), cache.keys.shape[1] + len(tree), dtype=torch.bool)
-            visible[:, cache.keys.shape[1] :] = False
+            columns |= {node: keys.shape[1] + row for row, node in enumerate(level)}
+            visible = torch.zeros(len(level), keys.shape[1] + len(level), dtype=torch.bool)
+            visible[:, : cache.keys.shape[1]] = True
             for row, node in enumerate(level):
-                visible[row, [cache.keys.shape[1] + ancestor for ancestor in tree.path(node)]] = True
+                visible[row, [columns[ancestor] for ancestor in tree.path(node)]] = True
             embedded = self.model.embed_tokens[torch.tensor([tree.tokens[node] for node in level])]
             positions = torch.full((1, len(level)), cache.next_position + depth - 1)
             out, new_keys, new_values = self.draft(
