@@ -5,7 +5,7 @@ import torch.nn.functional as F
 from llmc.quant.qtypes import QuantArgs, quantize_weight
 from llmc.runtime.block_manager import BlockManager
 from llmc.runtime.layers.attention import decode_attention_reference, prefill_attention_reference
-from llmc.runtime.layers.linear import DenseLinear, Int4CpuLinear, build_linear
+from llmc.runtime.layers.linear import DenseLinear, Int4CpuLinear, Int8CpuLinear, build_linear
 from llmc.runtime.layers.linear_weight import LinearWeight
 from llmc.runtime.layers.quantized_input_linear import QuantizedInputLinear
 from llmc.runtime.layers.sampler import greedy_tokens
@@ -36,6 +36,22 @@ def test_kernel_choice_and_bfloat16_int4_matches_dense():
     x = torch.randn(4, 128)
     expected = F.linear(x, quantized().dequantize(), bias)
     torch.testing.assert_close(int4(x.bfloat16()).float(), expected, atol=0.15, rtol=0.02)
+
+
+def test_bfloat16_int8_channel_weights_run_their_kernel_and_each_row_gets_the_bits_it_gets_alone():
+    """W8A16 (symmetric int8, one scale per output channel) in bfloat16 on torch's int8 CPU kernel. A row's result
+    must not depend on the rows beside it: speculative verification's greedy identity rests on that."""
+    weight = quantize_weight(torch.randn(96, 128, generator=torch.Generator().manual_seed(3)), QuantArgs(num_bits=8, strategy="channel"))
+    bias = torch.randn(96)
+    int8 = build_linear([LinearWeight(weight, bias)], torch.bfloat16, "cpu")
+    assert isinstance(int8, Int8CpuLinear) and int8.codes.dtype == torch.int8
+    assert isinstance(build_linear([LinearWeight(weight)], torch.float32, "cpu"), DenseLinear)
+    asymmetric = quantize_weight(torch.randn(96, 128), QuantArgs(num_bits=8, symmetric=False, strategy="channel"))
+    assert isinstance(build_linear([LinearWeight(asymmetric)], torch.bfloat16, "cpu"), DenseLinear)
+    x = torch.randn(21, 128).bfloat16()
+    torch.testing.assert_close(int8(x).float(), F.linear(x.float(), weight.dequantize(), bias), atol=0.1, rtol=0.02)
+    together = int8(x)
+    assert all(torch.equal(together[row], int8(x[row : row + 1])[0]) for row in range(len(x)))
 
 
 def test_dense_weights_put_weight_only_layers_on_dense_matmuls_and_keep_quantized_activations():

@@ -71,6 +71,9 @@ def test_smollm2_bfloat16_greedy_speculative_output_equals_plain_decoding(artifa
     for prompt in chat_prompts(plain.tokenizer, 4):
         assert speculative.generate([prompt], params)[0]["token_ids"] == plain.generate([prompt], params)[0]["token_ids"]
     assert speculative.runner.speculator.stats.num_drafts > 0
+    heads = speculative.runner.speculator.proposer.heads  # served as int8: drafting reads half the bytes
+    assert {type(module).__name__ for module in heads.modules() if hasattr(module, "codes")} == {"Int8CpuLinear"}
+    assert not any(isinstance(module, torch.nn.Linear) for module in heads.modules())
 
 
 def test_smollm2_bfloat16_greedy_output_does_not_depend_on_the_batch(artifact):

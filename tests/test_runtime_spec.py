@@ -11,6 +11,7 @@ from llmc.draft.data import DistillSet, self_distill
 from llmc.recipe import DraftConfig
 from llmc.runtime.config import EngineConfig
 from llmc.runtime.engine import LLMEngine
+from llmc.runtime.layers.linear import Int8CpuLinear
 from llmc.runtime.sampling_params import SamplingParams
 from llmc.runtime.spec.acceptance import greedy_accept, rejection_sample
 from llmc.runtime.spec.governor import DraftGovernor
@@ -127,6 +128,23 @@ def test_eagle_feeds_only_confident_nodes_into_its_layer(tiny_llama, trained, tr
     confident = [sum(score >= math.log(threshold) for score in levels[index - 1]) for index, _ in fed]
     assert fed and [rows for _, rows in fed] == confident
     assert any(len(levels[index - 1]) > rows for index, rows in fed)  # some unconfident node was left out
+
+
+@pytest.mark.parametrize("method", ["medusa", "eagle"])
+def test_bfloat16_drafts_read_int8_weights_and_greedy_output_stays_exact(tiny_llama, trained, trained_eagle, method):
+    draft, prompts = trained
+    params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+    settings = dict(dtype=torch.bfloat16, block_size=4, num_kv_blocks=48, adaptive_speculation=False, speculative_tree_nodes=6,
+                    speculative_min_confidence=0.0)
+    engine = LLMEngine(tiny_llama, EngineConfig(speculative=draft if method == "medusa" else trained_eagle, **settings))
+    proposer = engine.runner.speculator.proposer
+    heads = proposer.heads if method == "medusa" else proposer.draft
+    linears = [module for module in heads.modules() if isinstance(module, Int8CpuLinear)]
+    assert linears and not any(isinstance(module, torch.nn.Linear) for module in heads.modules())
+    assert method == "medusa" or isinstance(proposer.lm_head, Int8CpuLinear)
+    plain = LLMEngine(tiny_llama, EngineConfig(dtype=torch.bfloat16, block_size=4, num_kv_blocks=48))
+    assert [out["token_ids"] for out in engine.generate(prompts, params)] == [out["token_ids"] for out in plain.generate(prompts, params)]
+    assert engine.runner.speculator.stats.num_accepted_tokens > 0
 
 
 def test_a_tree_level_keeps_the_most_probable_paths_below_any_node():

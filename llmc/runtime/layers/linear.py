@@ -67,7 +67,39 @@ class Int4CpuLinear(nn.Module):
         return out if self.bias is None else out + self.bias
 
 
-KERNELS: list[type[nn.Module]] = [QuantizedInputLinear, Int4TritonLinear, Int4CpuLinear, DenseLinear]  # by priority; DenseLinear takes anything
+class Int8CpuLinear(nn.Module):
+    """Symmetric per-channel int8 weights (W8A16) on torch's own CPU kernel: half the bytes of bfloat16 weights, and
+    at one row about twice as fast as their dense matmul. Chosen for bfloat16 inputs only, like Int4CpuLinear."""
+
+    def __init__(self, weight: LinearWeight, dtype: torch.dtype, device: str):
+        super().__init__()
+        quantized = weight.weight
+        self.out_features, self.in_features = quantized.codes.shape
+        self.register_buffer("codes", quantized.codes.contiguous())
+        self.register_buffer("scales", quantized.scale.reshape(-1).to(dtype))
+        self.bias = None if weight.bias is None else nn.Parameter(weight.bias.to(dtype), requires_grad=False)
+
+    @classmethod
+    def supports(cls, weight: LinearWeight, dtype: torch.dtype, device: str) -> bool:
+        quantized = weight.weight
+        return (
+            device == "cpu"
+            and dtype == torch.bfloat16
+            and isinstance(quantized, QuantizedWeight)
+            and quantized.input_activations is None
+            and quantized.args.type == "int"
+            and quantized.args.num_bits == 8
+            and quantized.args.symmetric
+            and quantized.args.strategy == "channel"
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        flat = x.reshape(-1, self.in_features)
+        out = torch.ops.aten._weight_int8pack_mm(flat, self.codes, self.scales).reshape(*x.shape[:-1], self.out_features)
+        return out if self.bias is None else out + self.bias
+
+
+KERNELS: list[type[nn.Module]] = [QuantizedInputLinear, Int4TritonLinear, Int4CpuLinear, Int8CpuLinear, DenseLinear]  # by priority; DenseLinear takes anything
 
 
 def build_linear(parts: list[LinearWeight], dtype: torch.dtype, device: str, dense: bool = False) -> nn.Module:

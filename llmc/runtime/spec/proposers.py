@@ -13,6 +13,7 @@ from llmc.errors import LlmcError
 from llmc.runtime.config import EngineConfig
 from llmc.runtime.models.llama import LlamaForCausalLM
 from llmc.runtime.sequence import Sequence
+from llmc.runtime.spec.draft_weights import int8_linear, with_int8_linears
 from llmc.runtime.spec.tree import ROOT, DraftTree
 
 TREE_TOP_K = 4  # tokens expanded per node, and paths kept per level, when drafting a tree (more for trees past 4 x depth)
@@ -106,7 +107,8 @@ class EagleProposer:
         self.draft, self.model = draft, model
         hidden_size = draft.shape.hidden_size
         identity = torch.eye(hidden_size, dtype=model.embed_tokens.dtype, device=model.embed_tokens.device)
-        self.lm_head = model.compute_logits(identity)[:, draft.vocab].T.contiguous()  # the draft vocabulary's rows
+        rows = model.compute_logits(identity)[:, draft.vocab].T  # the target's LM head over the draft vocabulary
+        self.lm_head = int8_linear(rows, None, model.embed_tokens.dtype, str(model.embed_tokens.device))
         self.max_depth, self.num_nodes, self.top_k, self.min_score = depth, num_nodes, top_k, min_score
         self.caches: WeakKeyDictionary[Sequence, EagleCache] = WeakKeyDictionary()
         self.pending: WeakKeyDictionary[Sequence, list[Observed]] = WeakKeyDictionary()
@@ -156,7 +158,7 @@ class EagleProposer:
         columns: dict[int, int] = {}  # the key column of each node fed into the layer
         frontier, frontier_features = [ROOT], cache.last_output[None]
         for depth in range(1, self.max_depth + 1):
-            top = (frontier_features @ self.lm_head.T).float().log_softmax(-1).cpu().topk(self.top_k, dim=-1)
+            top = self.lm_head(frontier_features).float().log_softmax(-1).cpu().topk(self.top_k, dim=-1)
             parents, level = frontier, add_level(tree, scores, frontier, top.values, self.draft.vocab[top.indices])
             # a path below min_score has no descendant above it: only the confident nodes are worth expanding
             level = [node for node in level if scores[node] >= self.min_score]
@@ -216,6 +218,7 @@ def build_proposer(draft_config: dict, heads: nn.Module, model: LlamaForCausalLM
     min_confidence = default.min_confidence if config.speculative_min_confidence is None else config.speculative_min_confidence
     min_score = math.log(min_confidence) if min_confidence > 0 else -math.inf  # a path's log-probability
     top_k = max(TREE_TOP_K, -(-num_nodes // depth)) if num_nodes > depth else 1  # each level keeps top_k paths: enough to fill
+    heads = with_int8_linears(heads, config.dtype, config.device)
     if draft_config["method"] == "medusa":
         return MedusaProposer(heads, depth, num_nodes, top_k, min_score)
     return EagleProposer(heads, model, depth, num_nodes, top_k, min_score)
