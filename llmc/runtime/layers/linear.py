@@ -27,6 +27,23 @@ class DenseLinear(nn.Module):
         return F.linear(x, self.weight, self.bias)
 
 
+def bfloat16_cpu_weight_only(weight: LinearWeight, dtype: torch.dtype, device: str, num_bits: int, strategy: str) -> bool:
+    """Whether weight is symmetric int `num_bits` by `strategy`, without act-order or quantized inputs, served in
+    bfloat16 on CPU: what torch's int4 and int8 CPU kernels take (their float32 paths are slower than dense matmuls)."""
+    quantized = weight.weight
+    return (
+        device == "cpu"
+        and dtype == torch.bfloat16
+        and isinstance(quantized, QuantizedWeight)
+        and quantized.g_idx is None
+        and quantized.input_activations is None
+        and quantized.args.type == "int"
+        and quantized.args.num_bits == num_bits
+        and quantized.args.symmetric
+        and quantized.args.strategy == strategy
+    )
+
+
 class Int4CpuLinear(nn.Module):
     """Symmetric int4 groups on torch's own CPU kernel; the codes are repacked into its layout once, at load.
     With scales in the compute dtype its weights equal `dequantize` bit for bit (the zero term is 0), so only the
@@ -49,13 +66,7 @@ class Int4CpuLinear(nn.Module):
     def supports(cls, weight: LinearWeight, dtype: torch.dtype, device: str) -> bool:
         quantized = weight.weight
         return (
-            device == "cpu"
-            and dtype == torch.bfloat16
-            and isinstance(quantized, QuantizedWeight)
-            and quantized.g_idx is None
-            and quantized.args.num_bits == 4
-            and quantized.args.symmetric
-            and quantized.args.strategy == "group"
+            bfloat16_cpu_weight_only(weight, dtype, device, num_bits=4, strategy="group")
             and quantized.args.group_size in cls.GROUP_SIZES
             and quantized.codes.shape[0] % 8 == 0
         )
@@ -81,17 +92,7 @@ class Int8CpuLinear(nn.Module):
 
     @classmethod
     def supports(cls, weight: LinearWeight, dtype: torch.dtype, device: str) -> bool:
-        quantized = weight.weight
-        return (
-            device == "cpu"
-            and dtype == torch.bfloat16
-            and isinstance(quantized, QuantizedWeight)
-            and quantized.input_activations is None
-            and quantized.args.type == "int"
-            and quantized.args.num_bits == 8
-            and quantized.args.symmetric
-            and quantized.args.strategy == "channel"
-        )
+        return bfloat16_cpu_weight_only(weight, dtype, device, num_bits=8, strategy="channel")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, self.in_features)
