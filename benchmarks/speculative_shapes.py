@@ -32,12 +32,18 @@ class ShapeRun:
     num_identical: int = 0
 
 
+def shape_config(draft: Path, spec: str, **settings) -> EngineConfig:
+    """An engine drafting every step with draft in the shape DEPTH:NODES:CONFIDENCE, without prefix caching."""
+    depth, nodes, confidence = spec.split(":")
+    return EngineConfig(enable_prefix_caching=False, speculative=draft, adaptive_speculation=False,
+                        num_speculative_tokens=int(depth), speculative_tree_nodes=int(nodes),
+                        speculative_min_confidence=float(confidence), **settings)
+
+
 def shape_engine(artifact: str, draft: Path, spec: str) -> ShapeRun:
     depth, nodes, confidence = spec.split(":")
-    config = EngineConfig(enable_prefix_caching=False, speculative=draft, adaptive_speculation=False,
-                          num_speculative_tokens=int(depth), speculative_tree_nodes=int(nodes),
-                          speculative_min_confidence=float(confidence))
-    return ShapeRun(f"depth {depth}, {nodes or 'chain'} nodes, confidence >= {confidence}", LLMEngine(artifact, config))
+    name = f"depth {depth}, {nodes or 'chain'} nodes, confidence >= {confidence}"
+    return ShapeRun(name, LLMEngine(artifact, shape_config(draft, spec)))
 
 
 def main() -> None:

@@ -1,7 +1,7 @@
 """Where a decode step's time goes, plain and speculative, at batch 1: the target's forward (all verified rows), its
 LM head, preparing the step's metadata, drafting the next tree and verifying this one, in milliseconds per step,
-for each draft shape. Drafting and verification cost the same whatever the draft guesses, so with `--min-confidence 0`
-shapes (DEPTH:NODES:0) a draft of random weights (`--random-draft`) measures the cost of a tree of that size.
+for each draft shape. Drafting and verification cost the same whatever the draft guesses, so with shapes of confidence
+0 (DEPTH:NODES:0, every node drafted) a draft of random weights (`--random-draft`) measures the cost of a tree of that size.
 
     python benchmarks/speculative_step_costs.py ARTIFACT [--draft DIR | --random-draft] [--shape DEPTH:NODES:CONFIDENCE ...]
         [--max-tokens 128] [--dense-weights]
@@ -27,12 +27,14 @@ from llmc.runtime.models.llama import LlamaForCausalLM
 from llmc.runtime.sampling_params import SamplingParams
 from llmc.runtime.spec.decoder import SpeculativeDecoder
 from llmc.runtime.spec.proposers import EagleProposer, MedusaProposer
+from speculative_shapes import shape_config
 
 PARTS = {  # (class, method) -> the part it times
     (ModelRunner, "run"): "whole step", (LlamaForCausalLM, "forward"): "target forward", (LlamaForCausalLM, "compute_logits"): "LM head",
     (ModelRunner, "_prepare"): "prepare", (EagleProposer, "propose"): "draft", (MedusaProposer, "propose"): "draft",
     (SpeculativeDecoder, "_verify"): "verify",
 }
+SHAPES = ["4:7:0", "5:16:0", "6:32:0", "6:60:0"]  # full trees, from the default's size to EAGLE-2's
 PROMPT = "Write a persuasive essay about why cities should invest in public transport, with three arguments."
 
 
@@ -90,19 +92,15 @@ def main() -> None:
     parser.add_argument("artifact", type=Path)
     parser.add_argument("--draft", type=Path, help="Draft folder (default: ARTIFACT/draft).")
     parser.add_argument("--random-draft", action="store_true", help="Measure an EAGLE draft of random weights (costs only).")
-    parser.add_argument("--shape", action="append", help="DEPTH:NODES:CONFIDENCE, repeatable (default: 4:7:0 5:16:0 6:32:0 6:60:0).")
+    parser.add_argument("--shape", action="append", help=f"DEPTH:NODES:CONFIDENCE, repeatable (default: {' '.join(SHAPES)}).")
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--dense-weights", action="store_true", help="Weight-only layers dequantized onto dense matmuls.")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as scratch:
         draft = random_eagle_draft(args.artifact, Path(scratch)) if args.random_draft else args.draft or args.artifact / "draft"
         configs = {"plain": EngineConfig(enable_prefix_caching=False, dense_weights=args.dense_weights)}
-        for spec in args.shape or ["4:7:0", "5:16:0", "6:32:0", "6:60:0"]:
-            depth, nodes, confidence = spec.split(":")
-            configs[spec] = EngineConfig(
-                enable_prefix_caching=False, dense_weights=args.dense_weights, speculative=draft, adaptive_speculation=False,
-                num_speculative_tokens=int(depth), speculative_tree_nodes=int(nodes), speculative_min_confidence=float(confidence),
-            )
+        for spec in args.shape or SHAPES:
+            configs[spec] = shape_config(draft, spec, dense_weights=args.dense_weights)
         parts = ["whole step", "target forward", "LM head", "draft", "verify", "prepare"]
         print(f"{args.artifact.name}, {torch.get_num_threads()} threads, {'dense weights' if args.dense_weights else 'serving kernels'}, "
               f"{'random' if args.random_draft else 'trained'} draft; milliseconds per step")

@@ -20,7 +20,8 @@ from llmc.runtime.spec.tree import DraftTree
 
 class SpeculativeDecoder:
     def __init__(self, folder: Path, runner, config: EngineConfig):
-        self.draft_config, heads = load_draft(folder, config.dtype, config.device)
+        # as stored: build_proposer quantizes the weights it serves as int8 from them, then casts the rest
+        self.draft_config, heads = load_draft(folder, torch.float32, "cpu")
         if self.draft_config["hidden_size"] != runner.hf_config.hidden_size:
             raise LlmcError(f"{folder} was trained for hidden size {self.draft_config['hidden_size']}, this model has {runner.hf_config.hidden_size}")
         self.proposer = build_proposer(self.draft_config, heads, runner.model, config)

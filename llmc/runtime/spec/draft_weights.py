@@ -14,8 +14,8 @@ DRAFT_WEIGHTS = QuantArgs(num_bits=8, symmetric=True, strategy="channel", group_
 
 def int8_linear(weight: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype, device: str) -> nn.Module:
     """[out, in] weights quantized to DRAFT_WEIGHTS, on the runtime's kernel for them (dense where there is none)."""
-    quantized = quantize_weight(weight.detach().float().cpu(), DRAFT_WEIGHTS)
-    return build_linear([LinearWeight(quantized, None if bias is None else bias.detach().float().cpu())], dtype, device)
+    quantized = quantize_weight(weight.detach().float(), DRAFT_WEIGHTS)
+    return build_linear([LinearWeight(quantized, None if bias is None else bias.detach().float())], dtype, device)
 
 
 def with_int8_linears(module: nn.Module, dtype: torch.dtype, device: str) -> nn.Module:

@@ -218,7 +218,7 @@ def build_proposer(draft_config: dict, heads: nn.Module, model: LlamaForCausalLM
     min_confidence = default.min_confidence if config.speculative_min_confidence is None else config.speculative_min_confidence
     min_score = math.log(min_confidence) if min_confidence > 0 else -math.inf  # a path's log-probability
     top_k = max(TREE_TOP_K, -(-num_nodes // depth)) if num_nodes > depth else 1  # each level keeps top_k paths: enough to fill
-    heads = with_int8_linears(heads, config.dtype, config.device)
+    heads = with_int8_linears(heads, config.dtype, config.device).to(config.device, config.dtype)
     if draft_config["method"] == "medusa":
         return MedusaProposer(heads, depth, num_nodes, top_k, min_score)
     return EagleProposer(heads, model, depth, num_nodes, top_k, min_score)
