@@ -7,7 +7,9 @@ from llmc.runtime.block_manager import BlockManager
 from llmc.runtime.layers.attention import decode_attention_reference, prefill_attention_reference
 from llmc.runtime.layers.linear import DenseLinear, Int4CpuLinear, Int8CpuLinear, build_linear
 from llmc.runtime.layers.linear_weight import LinearWeight
+from llmc.runtime.layers.norm import RMSNorm
 from llmc.runtime.layers.quantized_input_linear import QuantizedInputLinear
+from llmc.runtime.layers.rotary import RotaryEmbedding
 from llmc.runtime.layers.sampler import greedy_tokens
 from llmc.runtime.sampling_params import SamplingParams
 from llmc.runtime.sequence import Sequence
@@ -113,6 +115,30 @@ def test_decode_attention_of_a_sequence_does_not_depend_on_its_batch():
         values = v_cache[block_tables[row]].flatten(0, 1)[: context_lens[row]].float().repeat_interleave(2, dim=1)
         expected = torch.einsum("hk,khd->hd", (torch.einsum("hd,khd->hk", query[row].float(), keys) * 0.25).softmax(-1), values)
         torch.testing.assert_close(alone[0].float(), expected, atol=1e-2, rtol=1e-2)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_norm_and_rotary_give_transformers_bits(dtype):
+    """The runtime's fused RMSNorm and its one pass over queries and keys side by side (a strided view of the qkv
+    projection's output) compute what transformers' Llama modules compute, bit for bit."""
+    from transformers import LlamaConfig
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm, apply_rotary_pos_emb
+
+    generator = torch.Generator().manual_seed(2)
+    hidden = (torch.randn(7, 96, generator=generator) * 3).to(dtype)
+    reference = LlamaRMSNorm(96, eps=1e-5).to(dtype)
+    reference.weight.data = torch.randn(96, generator=generator).to(dtype)
+    assert torch.equal(RMSNorm(reference.weight.data, 1e-5)(hidden), reference(hidden))
+
+    config = LlamaConfig(hidden_size=96, num_attention_heads=6, num_key_value_heads=2, max_position_embeddings=64)
+    rotary = RotaryEmbedding(config, 16, 64, dtype)
+    qkv = torch.randn(7, 10, 16, generator=generator).to(dtype)  # 6 query heads, 2 key heads, 2 value heads
+    positions = torch.tensor([0, 1, 5, 17, 30, 31, 63])
+    q, k = rotary(positions, qkv[:, :8]).split([6, 2], dim=1)
+    expected_q, expected_k = apply_rotary_pos_emb(
+        qkv[None, :, :6].transpose(1, 2), qkv[None, :, 6:8].transpose(1, 2), rotary.cos[positions][None], rotary.sin[positions][None]
+    )
+    assert torch.equal(q, expected_q[0].transpose(0, 1)) and torch.equal(k, expected_k[0].transpose(0, 1))
 
 
 def sequence(tokens: list[int]) -> Sequence:

@@ -6,7 +6,7 @@ import torch
 from llmc.errors import LlmcError
 from llmc.runtime.config import EngineConfig
 from llmc.runtime.cuda_graphs import DecodeGraphs
-from llmc.runtime.layers.attention import AttentionMetadata, DecodeRows
+from llmc.runtime.layers.attention import AttentionMetadata, DecodeRows, decode_buckets
 from llmc.runtime.layers.sampler import SampledToken, sample
 from llmc.runtime.loader import WeightLoader
 from llmc.runtime.models.llama import LlamaForCausalLM
@@ -87,8 +87,6 @@ class ModelRunner:
             return torch.tensor(values, dtype=torch.long, device=self.device)
 
         num_decodes = next((index for index, length in enumerate(query_lens) if length != 1), len(query_lens))
-        verifying = any(len(seq.draft) for seq in seqs)
-        decode_seqs = list(dict.fromkeys(group_seqs[:num_decodes]))
         metadata = AttentionMetadata(
             slot_mapping=tensor(slot_mapping),
             block_tables=tensor(block_tables),
@@ -96,8 +94,11 @@ class ModelRunner:
             seq_lens=seq_lens,
             query_lens=query_lens,
             num_decodes=num_decodes,
-            decode_rows=self._decode_rows(decode_seqs) if verifying else None,
         )
+        if any(len(seq.draft) for seq in seqs):
+            metadata.decode_rows = self._decode_rows(list(dict.fromkeys(group_seqs[:num_decodes])))
+        elif num_decodes and not self.device.startswith("cuda"):  # once a step, not in every layer; CUDA has its own kernel
+            metadata.decode_rows = decode_buckets(metadata.block_tables[:num_decodes], metadata.context_lens[:num_decodes], self.block_size)
         return tensor(input_ids), tensor(positions), metadata
 
     def _decode_rows(self, seqs: list[Sequence]) -> list[DecodeRows]:

@@ -31,7 +31,8 @@ class AttentionMetadata:
     seq_lens: list[int]  # context_lens as Python ints
     query_lens: list[int]  # new tokens per sequence
     num_decodes: int  # the first num_decodes sequences have exactly one new token
-    decode_rows: list[DecodeRows] | None = None  # when drafts are verified: the decode rows, by padded length
+    # the decode rows by padded length, computed once a step; None: each layer's decode_attention works them out
+    decode_rows: list[DecodeRows] | None = None
 
 
 def store_kv(cache: torch.Tensor, slot_mapping: torch.Tensor, states: torch.Tensor, kv_scale: torch.Tensor | None) -> None:
@@ -64,14 +65,19 @@ def decode_attention_reference(
     single query, torch's CPU flash-attention kernel is twice as slow. Sequences are attended together only with
     those holding as many blocks: padded to another length, the matmuls would sum in another order, and in
     bfloat16 that changes greedy choices with the batch. k_scale / v_scale: [kv_heads], FP8 caches."""
-    block_size = k_cache.shape[1]
+    buckets = decode_buckets(block_tables, context_lens, k_cache.shape[1])
+    return attend_rows(query, k_cache, v_cache, buckets, scale, k_scale, v_scale)
+
+
+def decode_buckets(block_tables: torch.Tensor, context_lens: torch.Tensor, block_size: int) -> list[DecodeRows]:
+    """One query per sequence, bucketed by the number of blocks it reads; the same for every layer of a step."""
     num_blocks = (context_lens + block_size - 1) // block_size
     buckets = []
     for count in num_blocks.unique().tolist():
         rows = (num_blocks == count).nonzero().flatten()
-        slots = block_tables[rows, :count, None] * block_size + torch.arange(block_size, device=query.device)
+        slots = block_tables[rows, :count, None] * block_size + torch.arange(block_size, device=block_tables.device)
         buckets.append(DecodeRows(rows, slots.flatten(1), context_lens[rows]))
-    return attend_rows(query, k_cache, v_cache, buckets, scale, k_scale, v_scale)
+    return buckets
 
 
 def attend_rows(

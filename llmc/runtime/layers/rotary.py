@@ -29,11 +29,13 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("cos", (angles.cos() * scaling).to(dtype), persistent=False)
         self.register_buffer("sin", (angles.sin() * scaling).to(dtype), persistent=False)
 
-    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        half = q.shape[-1] // 2
-        if q.is_cuda and half & (half - 1) == 0:  # one fused kernel each instead of a dozen; Triton tiles by powers of 2
+    def forward(self, positions: torch.Tensor, states: torch.Tensor) -> torch.Tensor:
+        """[tokens, heads, head_dim] (any strides along tokens and heads: queries and keys side by side, rotated in one
+        pass) rotated by each token's position."""
+        half = states.shape[-1] // 2
+        if states.is_cuda and half & (half - 1) == 0:  # one fused kernel instead of a dozen; Triton tiles by powers of 2
             from llmc.runtime.layers.triton_elementwise import rotary_triton
 
-            return rotary_triton(q, positions, self.cos, self.sin), rotary_triton(k, positions, self.cos, self.sin)
+            return rotary_triton(states, positions, self.cos, self.sin)
         cos, sin = self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)  # [tokens, 1, head_dim]
-        return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
+        return states * cos + rotate_half(states) * sin

@@ -25,12 +25,9 @@ class LlamaAttention(nn.Module):
             self.attn.k_scale, self.attn.v_scale = kv_scales
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor, metadata: AttentionMetadata) -> torch.Tensor:
-        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        q, k, v = self.qkv_proj(hidden).split([q_size, kv_size, kv_size], dim=-1)
-        q = q.view(-1, self.num_heads, self.head_dim)
-        k = k.view(-1, self.num_kv_heads, self.head_dim)
-        q, k = self.rotary(positions, q, k)
-        out = self.attn(q, k, v.reshape(-1, self.num_kv_heads, self.head_dim), metadata)
+        qkv = self.qkv_proj(hidden).view(-1, self.num_heads + 2 * self.num_kv_heads, self.head_dim)
+        q, k = self.rotary(positions, qkv[:, : self.num_heads + self.num_kv_heads]).split([self.num_heads, self.num_kv_heads], dim=1)
+        out = self.attn(q, k, qkv[:, self.num_heads + self.num_kv_heads :], metadata)
         return self.o_proj(out.flatten(1))
 
 
