@@ -1,5 +1,4 @@
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 
@@ -14,6 +13,7 @@ class RMSNorm(nn.Module):
             from llmc.runtime.layers.triton_elementwise import rms_norm_triton
 
             return rms_norm_triton(x, self.weight, self.eps)
-        # one fused op for x * rsqrt(mean(x^2) + eps) in float32, the same bits as those five
-        normed = F.rms_norm(x.float(), x.shape[-1:], eps=self.eps)
-        return self.weight * normed.to(x.dtype)
+        input_dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(input_dtype)
