@@ -41,9 +41,10 @@ def shape_config(draft: Path, spec: str, **settings) -> EngineConfig:
 
 
 def shape_engine(artifact: str, draft: Path, spec: str) -> ShapeRun:
-    depth, nodes, confidence = spec.split(":")
-    name = f"depth {depth}, {nodes or 'chain'} nodes, confidence >= {confidence}"
-    return ShapeRun(name, LLMEngine(artifact, shape_config(draft, spec)))
+    config = shape_config(draft, spec)
+    nodes = f"{config.speculative_tree_nodes} nodes" if config.speculative_tree_nodes else "a chain"
+    name = f"depth {config.num_speculative_tokens}, {nodes}, confidence >= {config.speculative_min_confidence}"
+    return ShapeRun(name, LLMEngine(artifact, config))
 
 
 def main() -> None:

@@ -119,7 +119,7 @@ def test_decode_attention_of_a_sequence_does_not_depend_on_its_batch():
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_norm_and_rotary_give_transformers_bits(dtype):
-    """The runtime's fused RMSNorm and its one pass over queries and keys side by side (a strided view of the qkv
+    """The runtime's RMSNorm and its one pass over queries and keys side by side (a strided view of the qkv
     projection's output) compute what transformers' Llama modules compute, bit for bit."""
     from transformers import LlamaConfig
     from transformers.models.llama.modeling_llama import LlamaRMSNorm, apply_rotary_pos_emb

@@ -48,7 +48,10 @@ class ModelRunner:
         )
         for index, attention in enumerate(self.model.attention_layers()):
             attention.k_cache, attention.v_cache = self.kv_cache[0, index], self.kv_cache[1, index]
-        if config.device.startswith("cuda"):
+        # CUDA decodes on a Triton kernel that reads the block tables itself; elsewhere the torch reference's buckets
+        # of decode rows are worked out once a step (_prepare) instead of in every layer
+        self.triton_decode = config.device.startswith("cuda")
+        if self.triton_decode:
             from llmc.runtime.layers.triton_attention import decode_attention_triton
 
             for attention in self.model.attention_layers():
@@ -97,7 +100,7 @@ class ModelRunner:
         )
         if any(len(seq.draft) for seq in seqs):
             metadata.decode_rows = self._decode_rows(list(dict.fromkeys(group_seqs[:num_decodes])))
-        elif num_decodes and not self.device.startswith("cuda"):  # once a step, not in every layer; CUDA has its own kernel
+        elif num_decodes and not self.triton_decode:
             metadata.decode_rows = decode_buckets(metadata.block_tables[:num_decodes], metadata.context_lens[:num_decodes], self.block_size)
         return tensor(input_ids), tensor(positions), metadata
 
