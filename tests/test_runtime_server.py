@@ -95,6 +95,32 @@ def test_chat_uses_the_chat_template_and_streams(server, artifact):
     assert "".join(chunk.choices[0].delta.content or "" for chunk in chunks) == expected
 
 
+def test_n_choices_differ_repeat_with_their_seeds_and_stream_alike(server):
+    args = dict(model="tiny", prompt=PROMPT, max_tokens=8, temperature=1.5, seed=7, n=3, extra_body={"ignore_eos": True})
+    response = server.client.completions.create(**args)
+    texts = [choice.text for choice in response.choices]
+    assert [choice.index for choice in response.choices] == [0, 1, 2] and len(set(texts)) == 3
+    assert response.usage.completion_tokens == 24 and response.usage.prompt_tokens == len(server.llm.tokenize(PROMPT))
+    assert [choice.text for choice in server.client.completions.create(**args).choices] == texts
+    assert server.client.completions.create(**args | {"n": 1, "seed": 8}).choices[0].text == texts[1]  # choice i: seed + i
+    streamed = ["", "", ""]
+    for chunk in server.client.completions.create(**args, stream=True):
+        for choice in chunk.choices:
+            streamed[choice.index] += choice.text
+    assert streamed == texts
+    greedy = dict(model="tiny", prompt=[PROMPT, "A stitch"], max_tokens=4, temperature=0)
+    single = [choice.text for choice in server.client.completions.create(**greedy).choices]
+    doubled = server.client.completions.create(**greedy, n=2).choices
+    assert [(choice.index, choice.text) for choice in doubled] == list(enumerate([single[0], single[0], single[1], single[1]]))
+    chat = dict(model="tiny", messages=[{"role": "user", "content": "Quantization maps"}], max_tokens=6, temperature=1.5, seed=3, n=2)
+    answers = [choice.message.content for choice in server.client.chat.completions.create(**chat).choices]
+    chunks = list(server.client.chat.completions.create(**chat, stream=True))
+    assert [choice.delta.role for choice in chunks[0].choices] == ["assistant", "assistant"]
+    assert ["".join(choice.delta.content or "" for chunk in chunks for choice in chunk.choices if choice.index == index)
+            for index in (0, 1)] == answers
+    wait_until(lambda: idle(server))
+
+
 def test_models_health_and_metrics(server):
     assert [model.id for model in server.client.models.list().data] == ["tiny"]
     assert httpx.get(f"{server.base}/health").status_code == 200
@@ -114,8 +140,8 @@ def test_bad_requests_get_openai_errors_and_the_server_keeps_serving(server):
     assert "temperature" in error.value.body["message"] and error.value.body["type"] == "invalid_request_error"
     with pytest.raises(openai.BadRequestError, match="accepts at most 511"):
         server.client.completions.create(model="tiny", prompt=[5] * 2000)
-    with pytest.raises(openai.BadRequestError, match="n=1"):
-        server.client.completions.create(model="tiny", prompt=PROMPT, n=2)
+    with pytest.raises(openai.BadRequestError, match="asks for 9 sequences; this server holds at most 8"):
+        server.client.completions.create(model="tiny", prompt=PROMPT, n=MAX_NUM_SEQS + MAX_WAITING + 1)
     with pytest.raises(openai.NotFoundError):
         server.client.completions.create(model="other", prompt=PROMPT)
     with pytest.raises(openai.AuthenticationError):

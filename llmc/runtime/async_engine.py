@@ -35,14 +35,17 @@ class AsyncLLMEngine:
         self._commands.put(None)
         self._thread.join()
 
-    def submit(self, prompts: list[list[int]], params: SamplingParams) -> list[AsyncIterator[RequestOutput]]:
-        """Check and queue requests now (errors raise here, before any is queued); return their output streams."""
-        if self.num_requests + len(prompts) > self.max_requests:
+    def submit(self, requests: list[tuple[list[int], SamplingParams]]) -> list[AsyncIterator[RequestOutput]]:
+        """Check and queue (prompt, params) requests now (errors raise here, before any is queued); return their
+        output streams."""
+        if len(requests) > self.max_requests:
+            raise LlmcError(f"the request asks for {len(requests)} sequences; this server holds at most {self.max_requests}")
+        if self.num_requests + len(requests) > self.max_requests:
             raise EngineBusy(f"the server is at capacity ({self.max_requests} requests); retry later")
-        for token_ids in prompts:
+        for token_ids, _ in requests:
             self.engine.check_prompt(token_ids)
         streams = []
-        for token_ids in prompts:
+        for token_ids, params in requests:
             request_id, stream = uuid.uuid4().hex, asyncio.Queue()
             self._streams[request_id] = (asyncio.get_running_loop(), stream)
             self._commands.put(("add", token_ids, params, request_id))

@@ -17,24 +17,27 @@ class SamplingRequest(BaseModel):
     stop: str | list[str] | None = None
     stop_token_ids: list[int] = []
     ignore_eos: bool = False
-    n: int = 1
+    n: int = Field(default=1, ge=1, le=128)  # choices per prompt, OpenAI's bound
     stream: bool = False
     stream_options: dict | None = None
 
-    def sampling_params(self, default_max_tokens: int, logprobs: int | None) -> SamplingParams:
-        if self.n != 1:
-            raise LlmcError("only n=1 is supported")
-        return SamplingParams(
-            temperature=self.temperature,
-            top_p=self.top_p,
-            top_k=self.top_k,
-            seed=self.seed,
-            max_tokens=self.max_tokens or default_max_tokens,
-            stop=[self.stop] if isinstance(self.stop, str) else list(self.stop or []),
-            stop_token_ids=self.stop_token_ids,
-            ignore_eos=self.ignore_eos,
-            logprobs=logprobs,
-        )
+    def sampling_params(self, default_max_tokens: int, logprobs: int | None) -> list[SamplingParams]:
+        """One per choice. With a seed, choice i samples from seed + i: the same request gives the same choices
+        again, and its choices differ from each other."""
+        return [
+            SamplingParams(
+                temperature=self.temperature,
+                top_p=self.top_p,
+                top_k=self.top_k,
+                seed=None if self.seed is None else self.seed + choice,
+                max_tokens=self.max_tokens or default_max_tokens,
+                stop=[self.stop] if isinstance(self.stop, str) else list(self.stop or []),
+                stop_token_ids=self.stop_token_ids,
+                ignore_eos=self.ignore_eos,
+                logprobs=logprobs,
+            )
+            for choice in range(self.n)
+        ]
 
     @property
     def include_usage(self) -> bool:
@@ -55,8 +58,6 @@ class CompletionRequest(SamplingRequest):
             return [prompt]
         if not prompt:
             raise LlmcError("prompt must not be empty")
-        if self.stream and len(prompt) > 1:
-            raise LlmcError("streaming takes a single prompt")
         return list(prompt)
 
 

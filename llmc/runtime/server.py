@@ -5,7 +5,7 @@ import json
 import time
 import uuid
 from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
+from contextlib import aclosing, asynccontextmanager
 
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -29,6 +29,33 @@ def error_response(status: int, message: str, error_type: str, headers: dict | N
 
 class ClientGone(Exception):
     pass
+
+
+async def merged(streams: list[AsyncIterator[RequestOutput]]) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """The outputs of several streams as they come, each with its stream's index. Leaving early (a client gone)
+    cancels the streams still running, which aborts their requests."""
+    arrivals: asyncio.Queue[tuple[int, RequestOutput | None]] = asyncio.Queue()
+
+    async def forward(index: int, stream: AsyncIterator[RequestOutput]) -> None:
+        try:
+            async for output in stream:
+                arrivals.put_nowait((index, output))
+        finally:
+            arrivals.put_nowait((index, None))
+
+    tasks = [asyncio.create_task(forward(index, stream)) for index, stream in enumerate(streams)]
+    try:
+        num_running = len(tasks)
+        while num_running:
+            index, output = await arrivals.get()
+            if output is None:
+                num_running -= 1
+                tasks[index].result()  # a stream that failed fails the response
+            else:
+                yield index, output
+    finally:
+        for task in tasks:
+            task.cancel()
 
 
 class ModelNotFound(LlmcError):
@@ -139,29 +166,33 @@ def build_app(engine: AsyncLLMEngine, model_name: str, api_key: str | None = Non
             entry["message"] = {"role": "assistant", "content": text}
         return entry
 
-    async def respond(request: Request, body: SamplingRequest, prompts: list[list[int]], params: SamplingParams, chat: bool):
+    async def respond(request: Request, body: SamplingRequest, prompts: list[list[int]], params: list[SamplingParams], chat: bool):
+        """Each prompt answered len(params) times; choice i * len(params) + j is prompt i's answer under params[j]."""
         response_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         header = {"id": response_id, "object": "chat.completion" if chat else "text_completion", "created": int(time.time()), "model": model_name}
         start = time.monotonic()
-        streams = [timed(stream, start) for stream in engine.submit(prompts, params)]
+        streams = [timed(stream, start) for stream in engine.submit([(prompt, choice_params) for prompt in prompts for choice_params in params])]
+        prompt_tokens = sum(map(len, prompts))
         if body.stream:
             header["object"] = "chat.completion.chunk" if chat else "text_completion"
-            return StreamingResponse(sse(header, streams[0], len(prompts[0]), chat, body.include_usage), media_type="text/event-stream")
+            return StreamingResponse(sse(header, streams, prompt_tokens, chat, body.include_usage), media_type="text/event-stream")
         try:
             results = await collect(request, streams)
         except ClientGone:
             return Response(status_code=499)
         choices = [choice(index, outputs, chat, delta=False) for index, outputs in enumerate(results)]
         completion_tokens = sum(len(output.new_token_ids) for outputs in results for output in outputs)
-        return header | {"choices": choices, "usage": usage(sum(map(len, prompts)), completion_tokens)}
+        return header | {"choices": choices, "usage": usage(prompt_tokens, completion_tokens)}
 
-    async def sse(header: dict, stream: AsyncIterator[RequestOutput], prompt_tokens: int, chat: bool, include_usage: bool):
+    async def sse(header: dict, streams: list[AsyncIterator[RequestOutput]], prompt_tokens: int, chat: bool, include_usage: bool):
         if chat:
-            yield f"data: {json.dumps(header | {'choices': [{'index': 0, 'delta': {'role': 'assistant', 'content': ''}, 'finish_reason': None, 'logprobs': None}]})}\n\n"
+            opening = [{"index": index, "delta": {"role": "assistant", "content": ""}, "finish_reason": None, "logprobs": None} for index in range(len(streams))]
+            yield f"data: {json.dumps(header | {'choices': opening})}\n\n"
         completion_tokens = 0
-        async for output in stream:
-            completion_tokens += len(output.new_token_ids)
-            yield f"data: {json.dumps(header | {'choices': [choice(0, [output], chat, delta=True)]})}\n\n"
+        async with aclosing(merged(streams)) as outputs:  # a client gone closes this generator: stop the requests now
+            async for index, output in outputs:
+                completion_tokens += len(output.new_token_ids)
+                yield f"data: {json.dumps(header | {'choices': [choice(index, [output], chat, delta=True)]})}\n\n"
         if include_usage:
             yield f"data: {json.dumps(header | {'choices': [], 'usage': usage(prompt_tokens, completion_tokens)})}\n\n"
         yield "data: [DONE]\n\n"
