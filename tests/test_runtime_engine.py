@@ -86,6 +86,26 @@ def test_preemption_and_chunked_prefill_under_a_tiny_kv_budget(artifact, referen
     assert_no_blocks_in_use(llm)
 
 
+def test_kept_hidden_states_are_transformers_final_features_through_chunks_and_preemption(artifact):
+    llm = engine(artifact, num_kv_blocks=12, max_num_batched_tokens=8, enable_prefix_caching=False, keep_hidden_states=True)
+    seqs = [llm.add_request(prompt, SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)) for prompt in PROMPTS]
+    while llm.has_unfinished():
+        llm.step()
+    assert llm.scheduler.num_preemptions > 0
+    loaded = load_model(str(artifact))
+    for seq in seqs:
+        with torch.no_grad():
+            expected = loaded.model.model(torch.tensor([seq.token_ids])).last_hidden_state[0, :-1]
+        kept = torch.cat(seq.hidden_states)  # every token but the last sampled one, computed once each
+        assert kept.shape == expected.shape
+        torch.testing.assert_close(kept, expected, rtol=1e-4, atol=1e-4)
+
+
+def test_hidden_states_are_kept_only_where_each_token_is_computed_once(artifact):
+    with pytest.raises(LlmcError, match="no prefix caching, no drafts"):
+        engine(artifact, keep_hidden_states=True)
+
+
 def test_bfloat16_engine_runs_the_int4_kernel(artifact):
     llm = LLMEngine(str(artifact), EngineConfig(dtype=torch.bfloat16))
     kernels = {type(module) for module in llm.runner.model.modules()}

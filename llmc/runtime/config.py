@@ -18,6 +18,9 @@ class EngineConfig:
     # the serving kernels; on CPU faster at many rows a step (torch's int4 kernel takes 6x as long at 64 rows, 10x at 512)
     dense_weights: bool = False
     device: str = "cpu"
+    # every sequence keeps the final hidden state (float32) of each token it computes, in Sequence.hidden_states:
+    # self-distillation reads the features it trains on from the generation itself instead of a second pass
+    keep_hidden_states: bool = False
     enforce_eager: bool = False  # CUDA: run decode steps eagerly instead of replaying captured CUDA graphs
     speculative: Path | None = None  # a draft folder (config.json + heads) to propose tokens with
     # the draft's shape, None: the method's default (proposers.DEFAULT_SHAPES)

@@ -23,7 +23,10 @@ class ModelRunner:
     def __init__(self, hf_config, weights: WeightLoader, config: EngineConfig):
         if hf_config.model_type not in SUPPORTED_MODEL_TYPES:
             raise LlmcError(f"the llmc runtime serves {SUPPORTED_MODEL_TYPES} models, not {hf_config.model_type!r}")
+        if config.keep_hidden_states and (config.enable_prefix_caching or config.speculative is not None):
+            raise LlmcError("keeping hidden states needs every token computed once, in order: no prefix caching, no drafts")
         self.hf_config = hf_config
+        self.keep_hidden_states = config.keep_hidden_states
         self.block_size = config.block_size
         self.device = config.device
         num_layers, num_kv_heads = hf_config.num_hidden_layers, hf_config.num_key_value_heads
@@ -151,6 +154,13 @@ class ModelRunner:
             return self.graphs.replay(input_ids, positions, metadata)
         return self.model(input_ids, positions, metadata)
 
+    @staticmethod
+    def _keep_hidden_states(seqs: list[Sequence], hidden: torch.Tensor) -> None:
+        for seq, states in zip(seqs, hidden.split([seq.num_scheduled_tokens for seq in seqs])):
+            if seq.num_computed_tokens == 0:  # a preempted sequence starts again from its first token
+                seq.hidden_states.clear()
+            seq.hidden_states.append(states.float())
+
     @torch.inference_mode()
     def run(self, seqs: list[Sequence]) -> dict[Sequence, list[SampledToken]]:
         """Compute the scheduled tokens of every sequence; sample for those whose scheduled chunk reaches their last
@@ -160,6 +170,8 @@ class ModelRunner:
         hidden = self.forward(seqs)
         if self.speculator is not None:
             return self.speculator.step(seqs, hidden, started)
+        if self.keep_hidden_states:
+            self._keep_hidden_states(seqs, hidden)
         rows, sampling_seqs, end = [], [], 0
         for seq in seqs:
             end += seq.num_scheduled_tokens

@@ -32,6 +32,7 @@ class Sequence:
         self.params = params
         self.generator = torch.Generator().manual_seed(params.seed) if params.seed is not None else None
         self.logprobs: list[dict] = []
+        self.hidden_states: list[torch.Tensor] = []  # with EngineConfig.keep_hidden_states: one chunk a step, in order
         self.text = ""  # the decoded output, cut at a stop string
         self.num_emitted_chars = 0  # how much of text has been streamed out
         self.finish_reason: str | None = None
