@@ -6,7 +6,7 @@ import torch.nn.functional as F
 from click.testing import CliRunner
 from transformers import AutoConfig
 
-from conftest import write_recipe
+from conftest import CORPUS, write_recipe
 from llmc.artifact.inspect import describe_artifact
 from llmc.cli import cli
 from llmc.draft.build import held_out_split, medusa_rows, medusa_top1, most_frequent_tokens, train_draft, train_eagle
@@ -18,6 +18,7 @@ from llmc.errors import LlmcError
 from llmc.pipeline import run_quantize
 from llmc.recipe import DraftConfig, load_recipe
 
+CORPUS_WORDS = CORPUS.split()
 STAGE = "  - type: rtn\n    scheme: W4A16\n    weights: {group_size: 32}\n"
 
 
@@ -132,6 +133,42 @@ def test_distillation_set_round_trips_through_safetensors(tmp_path):
     loaded = load_distill_set(tmp_path / "set.safetensors")
     assert loaded.token_ids == data.token_ids and loaded.answer_starts == data.answer_starts
     assert all(torch.equal(a, b) for a, b in zip(loaded.hidden, data.hidden)) and torch.equal(loaded.lm_head, data.lm_head)
+
+
+def test_an_interrupted_distillation_resumes_from_the_answers_it_saved(tmp_path, tiny_llama, monkeypatch):
+    import llmc.draft.data as distill
+    from llmc.runtime.engine import LLMEngine
+
+    monkeypatch.setenv("LLMC_HOME", str(tmp_path / "home"))
+    monkeypatch.setattr(distill, "DISTILL_PART", 3)
+    monkeypatch.setattr(distill, "DISTILL_SEQS", 2)  # answers finish two at a time
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": " ".join(CORPUS_WORDS[i : i + 4 + i % 3])}) + "\n" for i in range(0, 70, 10)))
+    artifact = run_quantize(load_recipe(write_recipe(tmp_path / "r.yaml", tiny_llama, tmp_path / "art", STAGE)))
+    saved, real_save = [], distill.save_answers
+
+    def save_then_stop(answers, path):
+        real_save(answers, path)
+        saved.append(sorted(answers))
+        raise KeyboardInterrupt  # as Ctrl-C after the first part
+
+    monkeypatch.setattr(distill, "save_answers", save_then_stop)
+    with pytest.raises(KeyboardInterrupt):
+        cached_self_distill(artifact, prompts, None, 12)
+    monkeypatch.setattr(distill, "save_answers", real_save)
+    (cache,) = (tmp_path / "home" / "distill").iterdir()
+    assert cache.suffix == ".parts" and [path.name for path in cache.iterdir()] == ["part-0000.safetensors"]
+    requested = []
+    monkeypatch.setattr(LLMEngine, "add_request", lambda self, *args, _add=LLMEngine.add_request: requested.append(args[0]) or _add(self, *args))
+    resumed = cached_self_distill(artifact, prompts, None, 12)
+    assert saved == [[0, 1, 2, 3]] and len(requested) == 3  # only the answers not saved are generated
+    assert [path.suffix for path in (tmp_path / "home" / "distill").iterdir()] == [".safetensors"]  # parts gone once whole
+    straight = distill.self_distill(artifact, prompts, 7, 12, tmp_path / "fresh")
+    assert resumed.token_ids == straight.token_ids and resumed.answer_starts == straight.answer_starts
+    for kept, fresh in zip(resumed.hidden, straight.hidden):  # saved answers come back in bfloat16
+        torch.testing.assert_close(kept, fresh, rtol=1e-2, atol=1e-2)
+    requested.clear()
+    assert cached_self_distill(artifact, prompts, None, 12).token_ids == straight.token_ids and not requested
 
 
 def test_eagle_draft_learns_to_predict_the_next_feature(tmp_path):

@@ -7,6 +7,8 @@ with the rows of a step (SmolLM2's two prompt sets: 43 min instead of 96 on a CP
 cached (safetensors) under LLMC_HOME/distill, one file per prompt file, keyed by the artifact, the prompts and the lengths."""
 import hashlib
 import json
+import os
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -25,6 +27,14 @@ from llmc.runtime.sampling_params import SamplingParams
 
 DISTILL_SEQS = 128  # answers generated side by side: float32 matmuls of 128 rows run 15% faster per token than of 64
 DISTILL_KV_GIB = 2.0  # their KV cache in float32 (46 KiB a token for SmolLM2): no preemption at 128 x ~250 tokens
+DISTILL_PART = 256  # answers saved together as they finish: an interrupted distillation resumes from those it saved
+
+
+@dataclass(slots=True)
+class Answer:
+    token_ids: list[int]  # prompt + the target's own answer
+    hidden: torch.Tensor  # [len - 1, hidden] float32
+    answer_start: int
 
 
 @dataclass(slots=True)
@@ -54,7 +64,9 @@ def check_not_eval_set(path: Path) -> None:
         raise LlmcError(f"{path} looks like MT-bench, the evaluation set; train draft heads on other prompts")
 
 
-def self_distill(artifact: Path, prompts_file: Path, num_prompts: int, max_tokens: int, max_len: int = 1024) -> DistillSet:
+def self_distill(artifact: Path, prompts_file: Path, num_prompts: int, max_tokens: int, parts: Path, max_len: int = 1024) -> DistillSet:
+    """The target's answers to the file's prompts, saved DISTILL_PART answers at a time into the folder `parts` as
+    they finish: answers an interrupted run saved there are read back instead of generated again."""
     check_not_eval_set(prompts_file)
     dtype = torch.bfloat16 if native_bfloat16("cpu") else torch.float32  # emulated bfloat16 is 3x slower at 64 rows
     engine = LLMEngine(artifact, EngineConfig(
@@ -65,15 +77,30 @@ def self_distill(artifact: Path, prompts_file: Path, num_prompts: int, max_token
     prompts = [prompt for prompt in prompts if len(engine.tokenize(prompt)) + max_tokens < engine.max_model_len]
     if not prompts:
         raise LlmcError(f"no prompt of {prompts_file} fits {engine.max_model_len} tokens with a {max_tokens}-token answer")
-    seqs = [engine.add_request(prompt, SamplingParams(temperature=0, max_tokens=max_tokens)) for prompt in prompts]
-    with tqdm(total=len(seqs), desc="target answers its prompts", unit="answer") as progress:
-        while engine.has_unfinished():
-            progress.update(sum(output.finish_reason is not None for output in engine.step()))
+    answers = answer_prompts(engine, prompts, max_tokens, parts)
     hidden_size = engine.runner.hf_config.hidden_size
     lm_head = engine.runner.model.compute_logits(torch.eye(hidden_size, dtype=engine.config.dtype)).T.float()
-    # every token but the last was computed once: the last one sampled is never fed back
-    return DistillSet([seq.token_ids for seq in seqs], [torch.cat(seq.hidden_states) for seq in seqs],
-                      [seq.num_prompt_tokens for seq in seqs], lm_head)
+    ordered = [answers[index] for index in range(len(prompts))]
+    return DistillSet([a.token_ids for a in ordered], [a.hidden for a in ordered], [a.answer_start for a in ordered], lm_head)
+
+
+def answer_prompts(engine: LLMEngine, prompts: list[str], max_tokens: int, parts: Path) -> dict[int, Answer]:
+    """Every prompt's answer by its index: those saved in `parts` read back, the others generated and saved there."""
+    answers = load_parts(parts)
+    seqs = {str(index): engine.add_request(prompt, SamplingParams(temperature=0, max_tokens=max_tokens), str(index))
+            for index, prompt in enumerate(prompts) if index not in answers}
+    finished: dict[int, Answer] = {}
+    with tqdm(total=len(prompts), initial=len(answers), desc="target answers its prompts", unit="answer") as progress:
+        while engine.has_unfinished():
+            for output in filter(lambda output: output.finish_reason is not None, engine.step()):
+                seq = seqs.pop(output.request_id)  # every token but the last was computed once: the last is never fed back
+                finished[int(output.request_id)] = Answer(seq.token_ids, torch.cat(seq.hidden_states), seq.num_prompt_tokens)
+                progress.update()
+            if len(finished) >= DISTILL_PART or (finished and not engine.has_unfinished()):
+                save_answers(finished, parts / f"part-{len(list(parts.glob('part-*.safetensors'))):04d}.safetensors")
+                answers |= finished
+                finished = {}
+    return answers
 
 
 def cached_self_distill(artifact: Path, prompts_file: Path, num_prompts: int | None, max_tokens: int) -> DistillSet:
@@ -89,30 +116,57 @@ def cached_self_distill(artifact: Path, prompts_file: Path, num_prompts: int | N
     path = llmc_home() / "distill" / f"{key}.safetensors"
     if path.is_file():
         return load_distill_set(path)
-    data = self_distill(artifact, prompts_file, num_prompts, max_tokens)
+    parts = path.with_suffix(".parts")
+    data = self_distill(artifact, prompts_file, num_prompts, max_tokens, parts)
     save_distill_set(data, path)
+    shutil.rmtree(parts)
     return data
 
 
-def save_distill_set(data: DistillSet, path: Path) -> None:
+def answer_tensors(token_ids: list[list[int]], hidden: list[torch.Tensor], answer_starts: list[int]) -> dict[str, torch.Tensor]:
     """Hidden states are stored in bfloat16, the runtime's dtype; the float32 copies hold nothing more."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tensors = {
-        "token_ids": torch.tensor([token for ids in data.token_ids for token in ids]),
-        "lengths": torch.tensor([len(ids) for ids in data.token_ids]),
-        "answer_starts": torch.tensor(data.answer_starts),
-        "hidden": torch.cat(data.hidden).bfloat16(),
-        "lm_head": data.lm_head.bfloat16().contiguous(),
+    return {
+        "token_ids": torch.tensor([token for ids in token_ids for token in ids]),
+        "lengths": torch.tensor([len(ids) for ids in token_ids]),
+        "answer_starts": torch.tensor(answer_starts),
+        "hidden": torch.cat(hidden).bfloat16(),
     }
-    save_file(tensors, path)
+
+
+def read_answers(tensors: dict[str, torch.Tensor]) -> tuple[list[list[int]], list[torch.Tensor], list[int]]:
+    lengths = tensors["lengths"].tolist()
+    token_ids = [ids.tolist() for ids in tensors["token_ids"].split(lengths)]
+    return token_ids, list(tensors["hidden"].float().split([length - 1 for length in lengths])), tensors["answer_starts"].tolist()
+
+
+def save_whole(tensors: dict[str, torch.Tensor], path: Path) -> None:
+    """Written beside path and renamed into place: an interrupted write leaves nothing that reads as complete."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    partial = path.with_name(f".{path.name}.partial")
+    save_file(tensors, partial)
+    os.replace(partial, path)
+
+
+def save_answers(answers: dict[int, Answer], path: Path) -> None:
+    indices = sorted(answers)
+    tensors = answer_tensors(*zip(*((answers[i].token_ids, answers[i].hidden, answers[i].answer_start) for i in indices)))
+    save_whole(tensors | {"prompt_indices": torch.tensor(indices)}, path)
+
+
+def load_parts(parts: Path) -> dict[int, Answer]:
+    answers = {}
+    for path in sorted(parts.glob("part-*.safetensors")):
+        tensors = load_file(path)
+        for index, *answer in zip(tensors["prompt_indices"].tolist(), *read_answers(tensors)):
+            answers[index] = Answer(*answer)
+    return answers
+
+
+def save_distill_set(data: DistillSet, path: Path) -> None:
+    tensors = answer_tensors(data.token_ids, data.hidden, data.answer_starts)
+    save_whole(tensors | {"lm_head": data.lm_head.bfloat16().contiguous()}, path)
 
 
 def load_distill_set(path: Path) -> DistillSet:
     tensors = load_file(path)
-    lengths = tensors["lengths"].tolist()
-    return DistillSet(
-        token_ids=[ids.tolist() for ids in tensors["token_ids"].split(lengths)],
-        hidden=list(tensors["hidden"].float().split([length - 1 for length in lengths])),
-        answer_starts=tensors["answer_starts"].tolist(),
-        lm_head=tensors["lm_head"].float(),
-    )
+    return DistillSet(*read_answers(tensors), lm_head=tensors["lm_head"].float())
