@@ -20,8 +20,8 @@ from llmc.runtime.spec.tree import ROOT, DraftTree
 
 
 @pytest.fixture(scope="module")
-def distilled(tiny_llama, calib_file) -> DistillSet:
-    return self_distill(tiny_llama, calib_file, 6, 24)
+def distilled(tmp_path_factory, tiny_llama, calib_file) -> DistillSet:
+    return self_distill(tiny_llama, calib_file, 6, 24, tmp_path_factory.mktemp("distill-parts"))
 
 
 @pytest.fixture(scope="module")
