@@ -80,8 +80,12 @@ def self_distill(artifact: Path, prompts_file: Path, num_prompts: int, max_token
     answers = answer_prompts(engine, prompts, max_tokens, parts)
     hidden_size = engine.runner.hf_config.hidden_size
     lm_head = engine.runner.model.compute_logits(torch.eye(hidden_size, dtype=engine.config.dtype)).T.float()
-    ordered = [answers[index] for index in range(len(prompts))]
-    return DistillSet([a.token_ids for a in ordered], [a.hidden for a in ordered], [a.answer_start for a in ordered], lm_head)
+    return DistillSet(*columns([answers[index] for index in range(len(prompts))]), lm_head)
+
+
+def columns(answers: list[Answer]) -> tuple[list[list[int]], list[torch.Tensor], list[int]]:
+    """The answers' token ids, hidden states and answer starts, each as one list (DistillSet's fields)."""
+    return [a.token_ids for a in answers], [a.hidden for a in answers], [a.answer_start for a in answers]
 
 
 def answer_prompts(engine: LLMEngine, prompts: list[str], max_tokens: int, parts: Path) -> dict[int, Answer]:
@@ -149,7 +153,7 @@ def save_whole(tensors: dict[str, torch.Tensor], path: Path) -> None:
 
 def save_answers(answers: dict[int, Answer], path: Path) -> None:
     indices = sorted(answers)
-    tensors = answer_tensors(*zip(*((answers[i].token_ids, answers[i].hidden, answers[i].answer_start) for i in indices)))
+    tensors = answer_tensors(*columns([answers[index] for index in indices]))
     save_whole(tensors | {"prompt_indices": torch.tensor(indices)}, path)
 
 
