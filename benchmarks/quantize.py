@@ -162,7 +162,7 @@ def llmcompressor_quantize(folder: Path, name: str, model: str, ids_file: Path, 
 
 def perplexity_of(target: str, text: str, windows: int) -> float:
     from llmc.evals.perplexity import perplexity
-    from llmc.models.loading import load_model
+    from llmc.evals.loading import load_model
 
     loaded = load_model(target)
     return perplexity(loaded.model, loaded.tokenizer, text, "wikitext2", 1024, windows, label=target[-40:]).perplexity
@@ -176,7 +176,7 @@ def quality_table(args) -> list[dict]:
 
     from llmc.calib.data import load_calibration
     from llmc.models.spec import resolve_model
-    from llmc.recipe import CalibrationConfig
+    from llmc.calib.data import CalibrationConfig
 
     text = (DATA / "wikitext-2-raw" / "wiki.test.raw").read_text()
     base = args.fp32_perplexity or perplexity_of(args.model, text, args.windows)

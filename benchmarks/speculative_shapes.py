@@ -13,11 +13,11 @@ from pathlib import Path
 import torch
 
 from llmc.evals.speculative import timed_generate
-from llmc.runtime.bench import load_prompts
-from llmc.runtime.config import EngineConfig
-from llmc.runtime.engine import LLMEngine
-from llmc.runtime.sampling_params import SamplingParams
-from llmc.runtime.spec.stats import SpecStats
+from llmc.prompts import distinct_prompts
+from llmc.runtime.engine.config import EngineConfig
+from llmc.runtime.engine.llm_engine import LLMEngine
+from llmc.runtime.engine.sampling_params import SamplingParams
+from llmc.runtime.speculative.stats import SpecStats
 
 ROOT = Path(__file__).resolve().parents[1]
 MT_BENCH = ROOT.parent / "shared" / "data" / "mt_bench" / "question.jsonl"
@@ -59,7 +59,7 @@ def main() -> None:
     draft = args.draft or Path(args.artifact) / "draft"
     plain = LLMEngine(args.artifact, EngineConfig(enable_prefix_caching=False))
     runs = [shape_engine(args.artifact, draft, spec) for spec in args.shape or SHAPES]
-    prompts = list(dict.fromkeys(load_prompts(args.prompts, args.num_prompts, plain.tokenizer, chat_template=True, shared_prefix_tokens=0)))
+    prompts = distinct_prompts(args.prompts, args.num_prompts, plain.tokenizer)
     params = SamplingParams(temperature=0, max_tokens=args.max_tokens)
     for engine in [plain] + [run.engine for run in runs]:  # warm-up
         engine.generate(prompts[:1], SamplingParams(temperature=0, max_tokens=8))

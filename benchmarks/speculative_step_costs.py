@@ -18,15 +18,15 @@ import torch
 from transformers import AutoConfig
 
 from llmc.draft.build import DRAFT_VOCAB_SIZE, eagle_shape
-from llmc.draft.eagle import EagleDraft
-from llmc.draft.store import save_draft, save_heads
-from llmc.runtime.config import EngineConfig
-from llmc.runtime.engine import LLMEngine
-from llmc.runtime.model_runner import ModelRunner
+from llmc.runtime.speculative.eagle import EagleDraft
+from llmc.runtime.speculative.store import save_draft, save_heads
+from llmc.runtime.engine.config import EngineConfig
+from llmc.runtime.engine.llm_engine import LLMEngine
+from llmc.runtime.engine.model_runner import ModelRunner
 from llmc.runtime.models.llama import LlamaForCausalLM
-from llmc.runtime.sampling_params import SamplingParams
-from llmc.runtime.spec.decoder import SpeculativeDecoder
-from llmc.runtime.spec.proposers import EagleProposer, MedusaProposer
+from llmc.runtime.engine.sampling_params import SamplingParams
+from llmc.runtime.speculative.decoder import SpeculativeDecoder
+from llmc.runtime.speculative.proposers import EagleProposer, MedusaProposer
 from speculative_shapes import shape_config
 
 PARTS = {  # (class, method) -> the part it times

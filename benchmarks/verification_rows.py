@@ -11,8 +11,8 @@ import time
 import torch
 import torch.nn.functional as F
 
-from llmc.runtime.config import EngineConfig
-from llmc.runtime.engine import LLMEngine
+from llmc.runtime.engine.config import EngineConfig
+from llmc.runtime.engine.llm_engine import LLMEngine
 from llmc.runtime.layers.linear import DenseLinear
 
 ROWS = (1, 2, 4, 8, 16)

@@ -81,10 +81,10 @@ def evaluate(targets: tuple[str, ...], perplexity_data: str | None, seq_len: int
         shape = {"num_speculative_tokens": num_speculative_tokens, "speculative_tree_nodes": speculative_tree_nodes,
                  "speculative_min_confidence": speculative_min_confidence}
         return evaluate_speculative(targets[0], speculative, prompts_file, num_prompts, max_tokens, concurrency, histogram, as_json, shape)
+    from llmc.evals.config import eval_config
     from llmc.evals.gate import GateFailed
     from llmc.evals.report import SUMMARY_COLUMNS, summary_rows, write_report
     from llmc.evals.suite import EvalTarget, evaluate_side_by_side
-    from llmc.recipe import eval_config
 
     if not (perplexity_data or business or tasks):
         raise LlmcError("nothing to evaluate: pass --perplexity FILE|wikitext2, --business FILE, --tasks NAMES or --speculative")
@@ -127,7 +127,7 @@ def evaluate_speculative(target: str, speculative: str, prompts_file: Path | Non
 
     from llmc.evals.speculative import plot_accepted_lengths, speculative_eval
     from llmc.models.spec import resolve_model
-    from llmc.runtime.bench import load_prompts
+    from llmc.prompts import distinct_prompts
 
     if prompts_file is None:
         raise LlmcError("--speculative needs --prompts FILE (e.g. MT-bench question.jsonl)")
@@ -135,7 +135,7 @@ def evaluate_speculative(target: str, speculative: str, prompts_file: Path | Non
     if draft is None:
         raise LlmcError(f"{target} has no draft heads; train them with `llmc train-draft {target}` or pass their folder")
     tokenizer = AutoTokenizer.from_pretrained(resolve_model(target))
-    prompts = list(dict.fromkeys(load_prompts(prompts_file, num_prompts, tokenizer, chat_template=True, shared_prefix_tokens=0)))
+    prompts = distinct_prompts(prompts_file, num_prompts, tokenizer)
     result = speculative_eval(target, draft, prompts, max_tokens, concurrency, torch.bfloat16, shape)
     if histogram:
         plot_accepted_lengths(result["accepted_length_histogram"], histogram, f"{target}: accepted length")
@@ -161,7 +161,7 @@ def evaluate_speculative(target: str, speculative: str, prompts_file: Path | Non
 @click.option("--json", "as_json", is_flag=True)
 def inspect(artifact: Path, as_json: bool) -> None:
     """Show what an artifact holds: formats, layers, calibration, evals, files."""
-    from llmc.artifact.inspect import describe_artifact, print_artifact
+    from llmc.inspect import describe_artifact, print_artifact
 
     info = describe_artifact(artifact)
     if as_json:
@@ -177,18 +177,14 @@ def inspect(artifact: Path, as_json: bool) -> None:
 @click.option("--set", "overrides", multiple=True, metavar="FIELD=VALUE", help="Set a `draft:` field, e.g. --set steps=600.")
 def train_draft_command(artifact: Path, prompts: tuple[Path, ...], overrides: tuple[str, ...]) -> None:
     """Train draft heads on ARTIFACT's own answers and store them in ARTIFACT/draft."""
-    import yaml
-    from pydantic import ValidationError
-
     from llmc.draft.build import train_draft
-    from llmc.recipe import DraftConfig
+    from llmc.draft.config import DraftConfig
+    from llmc.overrides import apply_overrides
+    from llmc.validation import validated
 
-    fields = dict(override.partition("=")[::2] for override in overrides)
-    fields = {key: yaml.safe_load(value) for key, value in fields.items()} | ({"prompts": [str(file) for file in prompts]} if prompts else {})
-    try:
-        config = DraftConfig.model_validate(fields)
-    except ValidationError as error:
-        raise LlmcError("; ".join(f"draft.{'.'.join(map(str, item['loc']))}: {item['msg']}" for item in error.errors())) from None
+    fields: dict = {"prompts": [str(file) for file in prompts]} if prompts else {}
+    apply_overrides(fields, list(overrides))
+    config = validated(DraftConfig, fields, "llmc train-draft options", prefix="draft.")
     folder = train_draft(artifact, config)
     console.print(f"[green]wrote[/] {folder}")
 
@@ -214,14 +210,17 @@ def engine_options(command):
 
 def require_serve_extra() -> None:
     try:
-        import fastapi, httpx, prometheus_client, uvicorn  # noqa: F401
+        import fastapi
+        import httpx
+        import prometheus_client
+        import uvicorn  # noqa: F401
     except ImportError as error:
         raise LlmcError(f"{error.name} is not installed: pip install 'llmc-toolchain[serve]'") from None
 
 
 def draft_folder(model: str, speculative: str) -> Path | None:
     """auto: MODEL/draft when MODEL is an artifact with heads; off: none; else the folder given."""
-    from llmc.draft.store import DRAFT_DIR
+    from llmc.runtime.speculative.store import DRAFT_DIR
 
     if speculative == "off":
         return None
@@ -237,8 +236,8 @@ def build_engine(model: str, dtype: str, kv_cache_gib: float, max_num_seqs: int,
                  speculative_min_confidence: float | None = None):
     import torch
 
-    from llmc.runtime.config import EngineConfig
-    from llmc.runtime.engine import LLMEngine
+    from llmc.runtime.engine.config import EngineConfig
+    from llmc.runtime.engine.llm_engine import LLMEngine
 
     config = EngineConfig(
         dtype=getattr(torch, dtype), kv_cache_gib=kv_cache_gib, max_num_seqs=max_num_seqs,
@@ -262,8 +261,8 @@ def build_engine(model: str, dtype: str, kv_cache_gib: float, max_num_seqs: int,
 def serve(artifact: str, host: str, port: int, api_key: str | None, served_model_name: str | None, max_waiting: int, **engine_kwargs) -> None:
     """Serve ARTIFACT (or any model spec) over an OpenAI-compatible HTTP API."""
     require_serve_extra()
-    from llmc.runtime.async_engine import AsyncLLMEngine
-    from llmc.runtime.server import serve as run_server
+    from llmc.runtime.serving.async_engine import AsyncLLMEngine
+    from llmc.runtime.serving.server import serve as run_server
 
     engine = AsyncLLMEngine(build_engine(artifact, **engine_kwargs), max_waiting)
     run_server(engine, served_model_name or artifact, host, port, api_key)
@@ -295,12 +294,13 @@ def bench(model: str, dataset: Path, url: str | None, api_key: str | None, num_p
 
     from transformers import AutoTokenizer
 
+    from llmc import bench as runtime_bench
     from llmc.models.spec import resolve_model
-    from llmc.runtime import bench as runtime_bench
-    from llmc.runtime.async_engine import AsyncLLMEngine
+    from llmc.prompts import load_prompts
+    from llmc.runtime.serving.async_engine import AsyncLLMEngine
 
     tokenizer = AutoTokenizer.from_pretrained(resolve_model(model))
-    prompts = runtime_bench.load_prompts(dataset, num_prompts, tokenizer, chat_template, shared_prefix_tokens)
+    prompts = load_prompts(dataset, num_prompts, tokenizer, chat_template, shared_prefix_tokens)
     load = dict(max_tokens=max_tokens, concurrency=None if request_rate else concurrency, request_rate=request_rate,
                 cancel_fraction=cancel_fraction, seed=seed)
     if url:

@@ -12,18 +12,16 @@ from transformers import AutoConfig, AutoTokenizer
 
 import llmc
 from llmc.artifact.export import exporter_for
-from llmc.artifact.writer import ShardWriter, staged_folder, write_manifest
+from llmc.artifact.writer import ShardWriter, check_output, staged_folder, write_manifest
 from llmc.calib.data import load_calibration
-from llmc.calib.driver import build_skeleton, decoder_layers, layer_linears, quantize_layerwise
-from llmc.errors import LlmcError
+from llmc.calib.driver import build_skeleton, decoder_layers, decoder_linears, quantize_layerwise
 from llmc.evals.gate import GateFailed
 from llmc.evals.report import summary, write_report
 from llmc.evals.suite import EvalTarget, evaluate_side_by_side
 from llmc.models.checkpoint import CheckpointReader
 from llmc.models.families import family_for
 from llmc.models.spec import resolve_model
-from llmc.quant.qtypes import QuantArgs
-from llmc.quant.stages import activations_of, assign_linears, build_stages, check_group_sizes, formats_of
+from llmc.quant.plan import build_plan
 from llmc.recipe import Recipe
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -37,35 +35,21 @@ def export_dtype(recipe: Recipe, config) -> torch.dtype:
     return getattr(torch, source) if isinstance(source, str) else source
 
 
-def plan_quantization(stages: list, skeleton, family, kv_only: bool = False) -> tuple[dict[str, QuantArgs], dict[str, QuantArgs]]:
-    """Which Linear gets which weight and input-activation format, checked for the whole model before any weight
-    is read."""
-    per_stage_all: list[dict] = [{} for _ in stages]
-    for index, layer in enumerate(decoder_layers(skeleton, family)):
-        for stage_linears, chosen in zip(per_stage_all, assign_linears(stages, layer_linears(layer, f"{family.layers}.{index}"))):
-            stage_linears.update(chosen)
-    check_group_sizes(stages, per_stage_all)
-    plan = formats_of(stages, per_stage_all)
-    if not plan and not kv_only:
-        raise LlmcError("the recipe's stages target no Linear layer; check their targets and ignore lists")
-    return plan, activations_of(stages, per_stage_all)
-
-
 def run_quantize(recipe: Recipe, overwrite: bool = False) -> Path:
     timings: dict[str, float] = {}
     started = time.perf_counter()
     output = Path(recipe.output)
-    if output.exists() and not overwrite:
-        raise LlmcError(f"output {output} already exists; remove it, choose --output, or pass --overwrite")
+    check_output(output, overwrite)
     folder = resolve_model(recipe.model)
     config = AutoConfig.from_pretrained(folder)
     family = family_for(config)
     tokenizer = AutoTokenizer.from_pretrained(folder)
     dtype = export_dtype(recipe, config)
-    exporter = exporter_for(recipe)
-    stages = build_stages(recipe, exporter.scale_dtype or dtype, family)
-    skeleton = build_skeleton(AutoConfig.from_pretrained(folder))
-    plan, activations = plan_quantization(stages, skeleton, family, kv_only=not recipe.stages)
+    kv_cache = recipe.kv_cache.args if recipe.kv_cache else None
+    exporter = exporter_for(recipe.export, kv_cache, recipe.gptq_dampening_frac)
+    modifiers = [stage.modifier(exporter.scale_dtype or dtype, family) for stage in recipe.stages]
+    skeleton = build_skeleton(config)
+    plan = build_plan(modifiers, decoder_linears(skeleton, family), kv_only=not recipe.stages)
     calibration = load_calibration(recipe.calibration, tokenizer) if recipe.calibration else None
     timings["prepare_s"] = time.perf_counter() - started
 
@@ -74,15 +58,14 @@ def run_quantize(recipe: Recipe, overwrite: bool = False) -> Path:
         num_layers = len(decoder_layers(skeleton, family))
         writer = ShardWriter(staging, num_layers + 1, dtype, exporter.tensors)
         started = time.perf_counter()
-        kv_cache = recipe.kv_cache.args if recipe.kv_cache else None
-        reports = quantize_layerwise(reader, skeleton, config, family, stages, calibration, writer.write_layer, kv_cache)
+        reports = quantize_layerwise(reader, skeleton, config, family, modifiers, plan, calibration, writer.write_layer, kv_cache)
         rest = reader.tensors([name for name in reader.file_of if not name.startswith(f"{family.layers}.")])
         rest = {name: tensor.to(dtype) for name, tensor in rest.items()}
         writer.write(rest)
         writer.write_index()
         timings["quantize_s"] = time.perf_counter() - started
         all_linears = [name for name, module in skeleton.named_modules() if isinstance(module, torch.nn.Linear)]
-        quantization = exporter.config(plan, all_linears, activations)
+        quantization = exporter.config(plan, all_linears)
         _write_config(folder, staging, quantization, dtype)
         for name in exporter.extra_files:
             (staging / name).write_text(json.dumps(quantization, indent=2, sort_keys=True) + "\n")

@@ -34,17 +34,20 @@ def parametrize(names: str, values: list):
 
 from llmc.quant.qtypes import QuantArgs, fake_quantize_activation, quantize_activation, quantize_weight  # noqa: E402
 from llmc.runtime.layers.attention import (  # noqa: E402
-    decode_attention_reference, prefill_attention_reference, read_kv, store_kv,
+    decode_attention_reference,
+    prefill_attention_reference,
+    read_kv,
+    store_kv,
 )
 from llmc.runtime.layers.int4_triton_linear import Int4TritonLinear  # noqa: E402
 from llmc.runtime.layers.linear import DenseLinear, build_linear  # noqa: E402
 from llmc.runtime.layers.linear_weight import LinearWeight  # noqa: E402
-from llmc.runtime.layers.quantized_input_linear import QuantizedInputLinear  # noqa: E402
 from llmc.runtime.layers.norm import RMSNorm  # noqa: E402
+from llmc.runtime.layers.quantized_input_linear import QuantizedInputLinear  # noqa: E402
 from llmc.runtime.layers.rotary import RotaryEmbedding  # noqa: E402
 from llmc.runtime.layers.triton_act_quant import quantize_activation_triton  # noqa: E402
-from llmc.runtime.layers.triton_elementwise import rms_norm_triton, rotary_triton  # noqa: E402
 from llmc.runtime.layers.triton_attention import decode_attention_triton  # noqa: E402
+from llmc.runtime.layers.triton_elementwise import rms_norm_triton, rotary_triton  # noqa: E402
 from llmc.runtime.layers.triton_w4a16 import w4a16_matmul  # noqa: E402
 
 DEVICE = "cuda" if CUDA else "cpu"

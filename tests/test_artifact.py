@@ -2,17 +2,16 @@ import json
 
 import pytest
 import torch
+from conftest import write_recipe
 from safetensors import safe_open
 from transformers import AutoModelForCausalLM
 
 from llmc.artifact.writer import sha256_of_files
 from llmc.errors import LlmcError
-from llmc.models.loading import load_model
+from llmc.evals.loading import load_model
 from llmc.pipeline import run_quantize
 from llmc.quant.qtypes import QuantArgs, fake_quantize
 from llmc.recipe import load_recipe
-
-from conftest import write_recipe
 
 SCHEMES = {
     "w4-sym-g32": "  - type: rtn\n    scheme: W4A16\n    weights: {group_size: 32}\n",

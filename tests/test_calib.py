@@ -5,9 +5,8 @@ import pytest
 import torch
 from transformers import AutoTokenizer
 
-from llmc.calib.data import load_calibration
+from llmc.calib.data import CalibrationConfig, load_calibration
 from llmc.errors import LlmcError
-from llmc.recipe import CalibrationConfig
 
 
 @pytest.fixture(scope="module")

@@ -4,19 +4,21 @@ import pytest
 import torch
 import torch.nn.functional as F
 from click.testing import CliRunner
+from conftest import CORPUS, write_recipe
 from transformers import AutoConfig
 
-from conftest import CORPUS, write_recipe
-from llmc.artifact.inspect import describe_artifact
 from llmc.cli import cli
 from llmc.draft.build import held_out_split, medusa_rows, medusa_top1, most_frequent_tokens, train_draft, train_eagle
+from llmc.draft.config import DraftConfig
 from llmc.draft.data import DistillSet, cached_self_distill, load_distill_set, save_distill_set
-from llmc.draft.eagle import OUT_OF_VOCAB, TOKEN_LOSS_WEIGHT, EagleDraft, EagleShape
-from llmc.draft.medusa import MedusaHeads, medusa_labels
+from llmc.draft.losses import OUT_OF_VOCAB, TOKEN_LOSS_WEIGHT, eagle_loss, medusa_labels, medusa_loss, unrolled
 from llmc.draft.train import CHECKPOINT, TrainConfig, train
 from llmc.errors import LlmcError
+from llmc.inspect import describe_artifact
 from llmc.pipeline import run_quantize
-from llmc.recipe import DraftConfig, load_recipe
+from llmc.recipe import load_recipe
+from llmc.runtime.speculative.eagle import EagleDraft, EagleShape
+from llmc.runtime.speculative.medusa import MedusaHeads
 
 CORPUS_WORDS = CORPUS.split()
 STAGE = "  - type: rtn\n    scheme: W4A16\n    weights: {group_size: 32}\n"
@@ -43,7 +45,7 @@ def test_medusa_rows_map_labels_into_the_draft_vocabulary_and_top1_counts_unknow
             projection.weight.copy_(torch.tensor([[1.0] * 8, [0.0] * 8, [-1.0] * 8]))  # always guesses index 0
     labels[:, 0] = torch.tensor([0, 0, 1, 0])
     assert medusa_top1(heads, rows, labels) == [0.75, 0.0]
-    assert heads.loss(rows, labels).isfinite()  # unknown tokens and ends carry no loss
+    assert medusa_loss(heads, rows, labels).isfinite()  # unknown tokens and ends carry no loss
 
 
 def test_one_answer_in_25_is_held_out_of_training():
@@ -60,7 +62,7 @@ def test_training_resumes_from_its_checkpoint(tmp_path):
         def loss_fn(step):
             if step == fail_at:
                 raise KeyboardInterrupt
-            return heads.loss(hidden, labels)
+            return medusa_loss(heads, hidden, labels)
         return train(heads, loss_fn, TrainConfig(steps=12, lr=1e-2, checkpoint_every=4), tmp_path, "test")
 
     straight = run(MedusaHeads.from_lm_head(lm_head, torch.arange(16), 2))
@@ -119,11 +121,11 @@ def test_eagle_learns_only_the_feature_of_a_token_outside_its_vocabulary():
     draft, lm_head = EagleDraft(shape), torch.randn(10, 16)
     features, embeddings, positions = torch.randn(1, 5, 16), torch.randn(1, 4, 16), torch.arange(4)[None]
     labels = torch.tensor([[-100, 3, OUT_OF_VOCAB, 6]])
-    predicted = draft.unrolled(features[:, :4], embeddings, positions, 1)[0]
+    predicted = unrolled(draft, features[:, :4], embeddings, positions, 1)[0]
     answer = torch.tensor([False, True, True, True])
     expected = F.smooth_l1_loss(predicted[0, answer], features[0, 1:][answer])
     expected = expected + TOKEN_LOSS_WEIGHT * F.cross_entropy(predicted[0, [1, 3]] @ lm_head.T, torch.tensor([3, 6]))
-    assert torch.allclose(draft.loss(features, embeddings, positions, labels, lm_head, 0.0, unroll=1), expected)
+    assert torch.allclose(eagle_loss(draft, features, embeddings, positions, labels, lm_head, 0.0, unroll=1), expected)
 
 
 def test_distillation_set_round_trips_through_safetensors(tmp_path):
@@ -137,7 +139,7 @@ def test_distillation_set_round_trips_through_safetensors(tmp_path):
 
 def test_an_interrupted_distillation_resumes_from_the_answers_it_saved(tmp_path, tiny_llama, monkeypatch):
     import llmc.draft.data as distill
-    from llmc.runtime.engine import LLMEngine
+    from llmc.runtime.engine.llm_engine import LLMEngine
 
     monkeypatch.setenv("LLMC_HOME", str(tmp_path / "home"))
     monkeypatch.setattr(distill, "DISTILL_PART", 3)
@@ -179,7 +181,7 @@ def test_eagle_draft_learns_to_predict_the_next_feature(tmp_path):
     embeddings, positions = torch.randn(2, 13, 16), torch.arange(12).expand(2, 12)
     labels, lm_head = torch.randint(0, 10, (2, 13)), torch.randn(10, 16)
     draft = EagleDraft(shape)
-    losses = train(draft, lambda step: draft.loss(features, embeddings, positions, labels, lm_head, 1.0, unroll=2),
+    losses = train(draft, lambda step: eagle_loss(draft, features, embeddings, positions, labels, lm_head, 1.0, unroll=2),
                    TrainConfig(steps=60, lr=1e-2), tmp_path, "eagle")
     assert losses[-1] < 0.5 * losses[0]
     causal = torch.ones(12, 12, dtype=torch.bool).tril()
@@ -188,7 +190,7 @@ def test_eagle_draft_learns_to_predict_the_next_feature(tmp_path):
     first, keys, values = draft(features[:, :5], embedded[:, :5], positions[:, :5], causal[:5, :5])
     rest, _, _ = draft(features[:, 5:], embedded[:, 5:], positions[:, 5:], causal[5:], (keys, values))
     assert torch.allclose(torch.cat([first, rest], 1), full, atol=1e-5)  # incremental with cached keys = all at once
-    one_step, two_steps = draft.unrolled(features, embeddings, positions, unroll=2)
+    one_step, two_steps = unrolled(draft, features, embeddings, positions, unroll=2)
     assert torch.allclose(one_step, full, atol=1e-5)
     for row in (0, 6, 11):  # step 2 = drafting after the true pairs up to row: its guess fed back at the next position
         _, keys, values = draft(features[:, : row + 1], embeddings[:, : row + 1], positions[:, : row + 1], causal[: row + 1, : row + 1])
@@ -231,7 +233,7 @@ def test_eagle_top1_on_held_out_answers_is_measured_on_answers_it_never_trained_
 
 
 def test_medusa_heads_of_an_earlier_llmc_are_refused_with_a_way_out(tmp_path):
-    from llmc.draft.store import load_draft, save_draft
+    from llmc.runtime.speculative.store import load_draft, save_draft
 
     save_draft(tmp_path, {"method": "medusa", "num_heads": 4, "hidden_size": 576})  # no draft vocabulary: frozen-head era
     with pytest.raises(LlmcError, match="earlier llmc.*retrain them with `llmc train-draft`"):

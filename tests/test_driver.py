@@ -1,17 +1,16 @@
 import json
 
 import torch
+from conftest import first_layer, write_recipe
+from safetensors.torch import load_file
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from llmc.calib.driver import LayerRunner, build_skeleton, decoder_layers, embed, materialize
-from llmc.calib.layer import parameters_in
+from llmc.calib.driver import build_skeleton, decoder_layers, embed, materialize
 from llmc.models.checkpoint import CheckpointReader
 from llmc.models.families import family_for
 from llmc.pipeline import run_quantize
+from llmc.quant.layer import LayerRunner, parameters_in
 from llmc.recipe import load_recipe
-from safetensors.torch import load_file
-
-from conftest import first_layer, write_recipe
 
 
 def test_layer_by_layer_matches_the_full_model(tiny_llama):

@@ -3,18 +3,17 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import first_layer, write_recipe
 from transformers import AutoModelForCausalLM
 
 from llmc.calib.driver import layer_linears
-from llmc.calib.layer import LayerRunner, LayerWork, recording
 from llmc.errors import LlmcError
-from llmc.models.loading import load_model
+from llmc.evals.loading import load_model
 from llmc.pipeline import run_quantize
-from llmc.quant.gptq import GPTQQuantizer, gptq_quantize
+from llmc.quant.gptq import GPTQQuantizer, GPTQStage, gptq_quantize
+from llmc.quant.layer import LayerRunner, LayerWork, recording
 from llmc.quant.qtypes import QuantArgs, quantize_weight
-from llmc.recipe import GPTQStage, load_recipe
-
-from conftest import first_layer, write_recipe
+from llmc.recipe import load_recipe
 
 FORMATS = {
     "w4-sym-g32": QuantArgs(num_bits=4, strategy="group", group_size=32),

@@ -6,11 +6,11 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import WIKITEXT, smollm2_available
 from transformers import AutoModelForCausalLM
 
-from conftest import WIKITEXT, smollm2_available
+from llmc.evals.loading import load_model
 from llmc.evals.perplexity import load_eval_text, perplexity
-from llmc.models.loading import load_model
 
 pytestmark = [
     pytest.mark.integration,

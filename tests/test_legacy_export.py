@@ -3,6 +3,7 @@ from dataclasses import replace
 
 import pytest
 import torch
+from conftest import CORPUS, write_recipe
 from safetensors.torch import save_file
 from transformers import AutoModelForCausalLM
 
@@ -10,17 +11,15 @@ from llmc.artifact.awq_format import awq_tensors, read_awq_weight
 from llmc.artifact.gptq_format import gptq_tensors, read_gptq_weight
 from llmc.artifact.reader import dense_state_dict
 from llmc.errors import LlmcError
+from llmc.evals.loading import load_model
 from llmc.models.checkpoint import CheckpointReader
-from llmc.models.loading import load_model
 from llmc.pipeline import run_quantize
 from llmc.quant.qtypes import QuantArgs, QuantizedWeight
 from llmc.recipe import load_recipe
-from llmc.runtime.config import EngineConfig
-from llmc.runtime.engine import LLMEngine
+from llmc.runtime.engine.config import EngineConfig
+from llmc.runtime.engine.llm_engine import LLMEngine
+from llmc.runtime.engine.sampling_params import SamplingParams
 from llmc.runtime.layers.linear import Int4CpuLinear
-from llmc.runtime.sampling_params import SamplingParams
-
-from conftest import CORPUS, write_recipe
 
 G4 = QuantArgs(num_bits=4, symmetric=False, strategy="group", group_size=4)
 

@@ -2,11 +2,11 @@
 import json
 
 import pytest
+from test_cli import llmc
 
 from llmc.errors import LlmcError
 from llmc.evals.lm_eval_model import resolve_tasks, run_lm_eval
-from llmc.models.loading import load_model
-from test_cli import llmc
+from llmc.evals.loading import load_model
 
 
 def user_task(tmp_path):

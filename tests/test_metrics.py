@@ -37,7 +37,7 @@ def test_json_match_parses_embedded_json_and_gives_key_credit():
 def test_choice_items_score_the_likeliest_option(tiny_llama):
     from llmc.evals.business import run_business
     from llmc.evals.generation import make_generator
-    from llmc.models.loading import load_model
+    from llmc.evals.loading import load_model
 
     item = parse_item('{"prompt": "Return window?", "choices": ["30 days", "60 days"], "reference": "B", "metric": "choice"}', "x")
     assert item.answer_index == 1 and item.reference_text == "60 days"

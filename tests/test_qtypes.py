@@ -1,6 +1,5 @@
 import pytest
 import torch
-from compressed_tensors.quantization import QuantizationArgs
 from compressed_tensors.quantization.lifecycle.forward import dequantize as ct_dequantize
 from compressed_tensors.quantization.lifecycle.forward import quantize as ct_quantize
 from compressed_tensors.quantization.utils.helpers import calculate_qparams

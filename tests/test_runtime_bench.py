@@ -2,10 +2,10 @@ import json
 import subprocess
 import sys
 
+from conftest import CORPUS, write_recipe
+
 from llmc.pipeline import run_quantize
 from llmc.recipe import load_recipe
-
-from conftest import CORPUS, write_recipe
 
 
 def test_bench_in_process_with_cancellations_and_hf_baseline(tmp_path, tiny_llama):

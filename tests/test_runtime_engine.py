@@ -1,16 +1,15 @@
 import pytest
 import torch
+from conftest import CORPUS, write_recipe
 
 from llmc.errors import LlmcError
-from llmc.models.loading import load_model
+from llmc.evals.loading import load_model
 from llmc.pipeline import run_quantize
 from llmc.recipe import load_recipe
-from llmc.runtime.config import EngineConfig
-from llmc.runtime.engine import LLMEngine
+from llmc.runtime.engine.config import EngineConfig
+from llmc.runtime.engine.llm_engine import LLMEngine
+from llmc.runtime.engine.sampling_params import SamplingParams
 from llmc.runtime.layers.linear import Int4CpuLinear
-from llmc.runtime.sampling_params import SamplingParams
-
-from conftest import CORPUS, write_recipe
 
 WORDS = CORPUS.split()
 PROMPTS = [" ".join(WORDS[start : start + length]) for start, length in zip(range(0, 80, 10), [3, 9, 5, 14, 7, 2, 11, 6])]
@@ -182,9 +181,8 @@ VARIANTS = {
 
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_dense_checkpoints_of_each_family_match_transformers(tmp_path, variant):
-    from transformers import AutoConfig, AutoModelForCausalLM
-
     from conftest import build_tokenizer
+    from transformers import AutoConfig, AutoModelForCausalLM
 
     model_type, extra = VARIANTS[variant]
     tokenizer = build_tokenizer(tmp_path)

@@ -6,16 +6,15 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import CORPUS, write_recipe
 
-from llmc.models.loading import load_model
+from llmc.evals.loading import load_model
 from llmc.pipeline import run_quantize
 from llmc.recipe import load_recipe
-from llmc.runtime.config import EngineConfig
-from llmc.runtime.engine import LLMEngine
+from llmc.runtime.engine.config import EngineConfig
+from llmc.runtime.engine.llm_engine import LLMEngine
+from llmc.runtime.engine.sampling_params import SamplingParams
 from llmc.runtime.layers.quantized_input_linear import QuantizedInputLinear
-from llmc.runtime.sampling_params import SamplingParams
-
-from conftest import CORPUS, write_recipe
 
 REPO = Path(__file__).resolve().parents[1]
 PROMPTS = [" ".join(CORPUS.split()[start : start + 6]) for start in (0, 13, 29)]
@@ -64,10 +63,10 @@ class Absent(importlib.abc.MetaPathFinder):
 
 sys.meta_path.insert(0, Absent())
 import torch
-from llmc.runtime.config import EngineConfig
-from llmc.runtime.engine import LLMEngine
-from llmc.runtime.sampling_params import SamplingParams
-import llmc.runtime.cuda_graphs, llmc.runtime.layers.triton_attention, llmc.runtime.layers.triton_w4a16
+from llmc.runtime.engine.config import EngineConfig
+from llmc.runtime.engine.llm_engine import LLMEngine
+from llmc.runtime.engine.sampling_params import SamplingParams
+import llmc.runtime.engine.cuda_graphs, llmc.runtime.layers.triton_attention, llmc.runtime.layers.triton_w4a16
 import llmc.runtime.layers.triton_act_quant, llmc.runtime.layers.triton_elementwise
 llm = LLMEngine(sys.argv[1], EngineConfig(dtype=torch.float32, num_kv_blocks=16))
 out = llm.generate(["The quick brown fox"], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))

@@ -15,16 +15,15 @@ import openai
 import pytest
 import torch
 import uvicorn
+from conftest import CORPUS, write_recipe
 
 from llmc.pipeline import run_quantize
 from llmc.recipe import load_recipe
-from llmc.runtime.async_engine import AsyncLLMEngine
-from llmc.runtime.config import EngineConfig
-from llmc.runtime.engine import LLMEngine
-from llmc.runtime.sampling_params import SamplingParams
-from llmc.runtime.server import build_app
-
-from conftest import CORPUS, write_recipe
+from llmc.runtime.engine.config import EngineConfig
+from llmc.runtime.engine.llm_engine import LLMEngine
+from llmc.runtime.engine.sampling_params import SamplingParams
+from llmc.runtime.serving.async_engine import AsyncLLMEngine
+from llmc.runtime.serving.server import build_app
 
 API_KEY = "test-key"
 PROMPT = " ".join(CORPUS.split()[:12])
@@ -258,7 +257,7 @@ def test_llmc_serve_finishes_running_requests_on_sigterm(artifact):
 
 
 def test_bench_against_the_url_with_poisson_arrivals(server):
-    from llmc.runtime.bench import bench_url
+    from llmc.bench import bench_url
 
     prompts = [f"{PROMPT} {index}" for index in range(6)]
     lengths = [len(server.llm.tokenize(prompt)) for prompt in prompts]

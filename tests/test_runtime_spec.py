@@ -7,16 +7,16 @@ import torch
 from scipy.stats import chisquare
 
 from llmc.draft.build import train_eagle, train_medusa
+from llmc.draft.config import DraftConfig
 from llmc.draft.data import DistillSet, self_distill
-from llmc.recipe import DraftConfig
-from llmc.runtime.config import EngineConfig
-from llmc.runtime.engine import LLMEngine
+from llmc.runtime.engine.config import EngineConfig
+from llmc.runtime.engine.llm_engine import LLMEngine
+from llmc.runtime.engine.sampling_params import SamplingParams
 from llmc.runtime.layers.linear import Int8CpuLinear
-from llmc.runtime.sampling_params import SamplingParams
-from llmc.runtime.spec.acceptance import greedy_accept, rejection_sample
-from llmc.runtime.spec.governor import DraftGovernor
-from llmc.runtime.spec.proposers import Observed, add_level, most_probable_nodes
-from llmc.runtime.spec.tree import ROOT, DraftTree
+from llmc.runtime.speculative.acceptance import greedy_accept, rejection_sample
+from llmc.runtime.speculative.governor import DraftGovernor
+from llmc.runtime.speculative.proposers import Observed, add_level, most_probable_nodes
+from llmc.runtime.speculative.tree import ROOT, DraftTree
 
 
 @pytest.fixture(scope="module")
@@ -123,7 +123,7 @@ def test_eagle_feeds_only_confident_nodes_into_its_layer(tiny_llama, trained, tr
             del proposer.draft.forward
 
     monkeypatch.setattr(proposer, "_draft", recording_draft)
-    monkeypatch.setattr("llmc.runtime.spec.proposers.add_level", recording_level)
+    monkeypatch.setattr("llmc.runtime.speculative.proposers.add_level", recording_level)
     assert [out["token_ids"] for out in engine.generate(prompts, params)] == [out["token_ids"] for out in build(tiny_llama).generate(prompts, params)]
     confident = [sum(score >= math.log(threshold) for score in levels[index - 1]) for index, _ in fed]
     assert fed and [rows for _, rows in fed] == confident
@@ -380,7 +380,7 @@ def test_rejection_sampling_follows_the_target_distribution(tree):
 
 
 def test_metrics_expose_acceptance(tiny_llama, trained):
-    from llmc.runtime.metrics import EngineCollector
+    from llmc.runtime.serving.metrics import EngineCollector
 
     draft, prompts = trained
     engine = build(tiny_llama, speculative=draft)

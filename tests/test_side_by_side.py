@@ -3,16 +3,17 @@ import json
 from pathlib import Path
 
 import pytest
-
 from conftest import write_recipe
+
 from llmc.evals.business import compare_business
 from llmc.evals.business_set import load_business_set
+from llmc.evals.config import eval_config
 from llmc.evals.generation import GenerationRequest, make_generator
+from llmc.evals.loading import load_model
 from llmc.evals.report import write_report
 from llmc.evals.suite import EvalTarget, evaluate_side_by_side
-from llmc.models.loading import load_model
 from llmc.pipeline import run_quantize
-from llmc.recipe import eval_config, load_recipe
+from llmc.recipe import load_recipe
 
 PROMPTS = ["The quick brown fox", "A stitch in time", "Quantization maps real numbers", "Every generated token",
            "memory bandwidth", "the lazy dog", "trading accuracy for", "integers"]

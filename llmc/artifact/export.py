@@ -1,46 +1,55 @@
 """The artifact's weight layout, as the recipe's `export` section chooses: compressed-tensors, or the legacy
 AutoGPTQ/GPTQModel and AutoAWQ layouts for older loaders."""
 import re
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import partial
-from typing import Callable
+from typing import Literal
 
 import torch
 
 from llmc.artifact.awq_format import awq_config, awq_tensors
 from llmc.artifact.compressed_tensors import compressed_tensors_tensors, quantization_config
 from llmc.artifact.gptq_format import gptq_config, gptq_tensors
+from llmc.quant.plan import QuantizationPlan
 from llmc.quant.qtypes import QuantArgs, QuantizedWeight
-from llmc.recipe import GPTQStage, Recipe
+from llmc.schema import StrictModel
 
 LEGACY_SCALE_DTYPE = torch.float16  # both legacy layouts store fp16 scales: quantize against exactly those
+
+
+class ExportConfig(StrictModel):
+    format: Literal["compressed-tensors", "gptq", "awq"] = "compressed-tensors"
+    checkpoint_format: Literal["gptq", "gptq_v2"] = "gptq"  # format gptq: v1 stores zero - 1, v2 exact zeros
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
 
 
 @dataclass
 class Exporter:
     tensors: Callable[[str, QuantizedWeight], dict[str, torch.Tensor]]
-    # (plan, every Linear, input-activation formats) -> quantization_config
-    config: Callable[[dict[str, QuantArgs], list[str], dict[str, QuantArgs]], dict]
+    config: Callable[[QuantizationPlan, list[str]], dict]  # (plan, every Linear's name) -> quantization_config
     scale_dtype: torch.dtype | None = None  # None: the export dtype
     extra_files: list[str] = field(default_factory=list)  # files that repeat the quantization_config
 
 
-def exporter_for(recipe: Recipe) -> Exporter:
-    export = recipe.export
+def exporter_for(export: ExportConfig, kv_cache: QuantArgs | None, dampening_frac: float | None) -> Exporter:
+    """dampening_frac: the GPTQ stage's, recorded in the legacy GPTQ config (None without one)."""
     if export.format == "compressed-tensors":
-        kv_cache = recipe.kv_cache.args if recipe.kv_cache else None
-        return Exporter(compressed_tensors_tensors, partial(quantization_config, kv_cache=kv_cache))
+        def config(plan: QuantizationPlan, all_linears: list[str]) -> dict:
+            return quantization_config(plan.weights, all_linears, plan.input_activations, kv_cache=kv_cache)
+
+        return Exporter(compressed_tensors_tensors, config)
     if export.format == "awq":
-        def config(plan: dict[str, QuantArgs], all_linears: list[str], activations: dict) -> dict:
-            return awq_config(next(iter(plan.values()))) | {"modules_to_not_convert": _skipped(plan, all_linears) or None}
+        def config(plan: QuantizationPlan, all_linears: list[str]) -> dict:
+            skipped = _skipped(plan.weights, all_linears)
+            return awq_config(next(iter(plan.weights.values()))) | {"modules_to_not_convert": skipped or None}
 
         return Exporter(awq_tensors, config, LEGACY_SCALE_DTYPE)
-    dampening = next((stage.dampening_frac for stage in recipe.stages if isinstance(stage, GPTQStage)), None)
 
-    def config(plan: dict[str, QuantArgs], all_linears: list[str], activations: dict) -> dict:
+    def config(plan: QuantizationPlan, all_linears: list[str]) -> dict:
         # GPTQModel's per-module override: "-:<regex>" leaves a module unquantized
-        skipped = {f"-:^{re.escape(name)}$": {} for name in _skipped(plan, all_linears)}
-        return gptq_config(next(iter(plan.values())), export.checkpoint_format, dampening) | {"dynamic": skipped or None}
+        skipped = {f"-:^{re.escape(name)}$": {} for name in _skipped(plan.weights, all_linears)}
+        return gptq_config(next(iter(plan.weights.values())), export.checkpoint_format, dampening_frac) | {"dynamic": skipped or None}
 
     tensors = partial(gptq_tensors, checkpoint_format=export.checkpoint_format)
     return Exporter(tensors, config, LEGACY_SCALE_DTYPE, ["quantize_config.json"])

@@ -2,9 +2,9 @@
 and dequantized with llmc's own arithmetic; what quantizes activations and the KV cache at run time (formats,
 static input scales, k_scale / v_scale) is read alongside for evaluation to emulate."""
 import json
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
 
 import torch
 

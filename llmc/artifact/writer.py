@@ -4,9 +4,9 @@ import hashlib
 import json
 import os
 import shutil
+from collections.abc import Callable
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Callable
 
 import torch
 from safetensors.torch import save_file
@@ -21,10 +21,14 @@ MANIFEST = "llmc.json"
 INDEX = "model.safetensors.index.json"
 
 
-@contextmanager
-def staged_folder(output: Path, overwrite: bool = False):
+def check_output(output: Path, overwrite: bool) -> None:
     if output.exists() and not overwrite:
         raise LlmcError(f"output {output} already exists; remove it, choose --output, or pass --overwrite")
+
+
+@contextmanager
+def staged_folder(output: Path, overwrite: bool = False):
+    check_output(output, overwrite)
     staging = output.with_name(f".{output.name}.partial-{os.getpid()}")
     shutil.rmtree(staging, ignore_errors=True)
     staging.mkdir(parents=True)

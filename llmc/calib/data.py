@@ -4,13 +4,28 @@ import hashlib
 import random
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Literal
 
 import torch
+from pydantic import Field
 
 from llmc.errors import LlmcError
-from llmc.recipe import CalibrationConfig
+from llmc.schema import StrictModel
 
 LOCAL_BUILDERS = {".txt": "text", ".jsonl": "json", ".json": "json", ".parquet": "parquet"}
+
+
+class CalibrationConfig(StrictModel):
+    dataset: str = "calib_data/smollm2_self_generated.jsonl"
+    split: str = "train"
+    text_field: str = "text"
+    messages_field: str = "messages"
+    chat_template: bool = False
+    num_samples: int = Field(64, gt=0)
+    seq_len: int = Field(512, gt=0)
+    seed: int = 0
+    # precision of the calibration forward passes; weights, statistics and algorithms stay float32
+    dtype: Literal["float32", "bfloat16"] = "float32"
 
 
 @dataclass

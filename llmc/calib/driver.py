@@ -4,24 +4,25 @@ plus the calibration activations whatever the depth. With calibration data each 
 layer's outputs computed with quantized weights, stages that need data see the inputs of the modules they
 observe, and each layer's output error is measured. The last pass over each layer also calibrates the static input
 scales and the KV-cache scales."""
+import copy
 import ctypes
 import ctypes.util
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, replace
-from typing import Callable
 
 import torch
 from torch import nn
 from tqdm import tqdm
 
 from llmc.calib.data import CalibrationSet
-from llmc.calib.layer import COMPUTE_DTYPE, LayerRunner, LayerWork, Stage, recording
 from llmc.calib.observers import observing_scales
 from llmc.models.checkpoint import CheckpointReader
 from llmc.models.families import Family
 from llmc.quant.kvcache import KV_ATTENTION
+from llmc.quant.layer import COMPUTE_DTYPE, LayerRunner, LayerWork, Modifier, recording
+from llmc.quant.plan import QuantizationPlan
 from llmc.quant.qtypes import QuantArgs, QuantizedWeight
-from llmc.quant.stages import activations_of, assign_linears, formats_of
 
 EmitLayer = Callable[[str, nn.Module, dict[str, QuantizedWeight]], None]
 
@@ -46,6 +47,7 @@ def build_skeleton(config) -> nn.Module:
     """The model with every parameter on the meta device: structure only, no memory."""
     from transformers import AutoModelForCausalLM
 
+    config = copy.deepcopy(config)
     config._attn_implementation = KV_ATTENTION  # sdpa, with a hook for the KV-cache observer
     with torch.device("meta"):
         return AutoModelForCausalLM.from_config(config, dtype=COMPUTE_DTYPE)
@@ -57,6 +59,12 @@ def decoder_layers(skeleton: nn.Module, family: Family) -> nn.ModuleList:
 
 def layer_linears(layer: nn.Module, prefix: str) -> dict[str, nn.Linear]:
     return {f"{prefix}.{name}": module for name, module in layer.named_modules() if isinstance(module, nn.Linear)}
+
+
+def decoder_linears(skeleton: nn.Module, family: Family) -> dict[str, nn.Linear]:
+    """Every decoder layer's Linears by full name: what the stages may quantize (the LM head stays)."""
+    layers = decoder_layers(skeleton, family)
+    return {name: linear for index, layer in enumerate(layers) for name, linear in layer_linears(layer, f"{family.layers}.{index}").items()}
 
 
 def materialize(layer: nn.Module, reader: CheckpointReader, prefix: str) -> None:
@@ -75,7 +83,8 @@ def quantize_layerwise(
     skeleton: nn.Module,
     config,
     family: Family,
-    stages: list[Stage],
+    modifiers: list[Modifier],
+    plan: QuantizationPlan,
     calibration: CalibrationSet | None,
     emit: EmitLayer,
     kv_cache: QuantArgs | None = None,
@@ -91,20 +100,20 @@ def quantize_layerwise(
         prefix = f"{family.layers}.{index}"
         layer = layers[index]
         materialize(layer, reader, prefix)
-        per_stage = assign_linears(stages, layer_linears(layer, prefix))
-        plan = formats_of(stages, per_stage)
+        linears = layer_linears(layer, prefix)
+        weights = plan.layer_weights(linears)
         reference = None
         quantized: dict[str, QuantizedWeight] = {}
-        for position, (stage, linears) in enumerate(zip(stages, per_stage)):
-            work = LayerWork(layer, prefix, linears, plan, runner)
-            observed = stage.observed_modules(work) if runner else {}
+        for position, modifier in enumerate(modifiers):
+            work = LayerWork(layer, prefix, plan.stage_linears(position, linears), weights, runner)
+            observed = modifier.observed_modules(work) if runner else {}
             if observed or (runner and position == 0):  # the first pass, before any change, is the reference
-                with recording(observed, stage.record):
+                with recording(observed, modifier.record):
                     outputs = runner(layer, hidden)
                 if position == 0:
                     reference = outputs
-            quantized |= stage.process(work)
-        activations = activations_of(stages, per_stage)
+            quantized |= modifier.process(work)
+        activations = {name: plan.input_activations[name] for name in linears if name in plan.input_activations}
         quantized = {name: replace(weight, input_activations=activations.get(name)) for name, weight in quantized.items()}
         error = None
         if runner:

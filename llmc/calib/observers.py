@@ -6,8 +6,8 @@ from contextlib import contextmanager
 import torch
 from torch import nn
 
-from llmc.calib.layer import recording
 from llmc.quant.kvcache import KVObserver
+from llmc.quant.layer import recording
 from llmc.quant.qtypes import QuantArgs, compute_qparams
 
 

@@ -8,14 +8,15 @@ import torch
 from transformers import AutoConfig
 
 from llmc.artifact.writer import MANIFEST, write_manifest
+from llmc.draft.config import DraftConfig
 from llmc.draft.data import DistillSet, cached_self_distill
-from llmc.draft.eagle import OUT_OF_VOCAB, EagleDraft, EagleShape
-from llmc.draft.medusa import MedusaHeads, medusa_labels
-from llmc.draft.store import DRAFT_DIR, save_draft, save_heads
+from llmc.draft.losses import OUT_OF_VOCAB, eagle_loss, medusa_labels, medusa_loss, unrolled
 from llmc.draft.train import TrainConfig, train
 from llmc.errors import LlmcError
-from llmc.recipe import DraftConfig
-from llmc.runtime.loader import WeightLoader
+from llmc.runtime.engine.loader import WeightLoader
+from llmc.runtime.speculative.eagle import EagleDraft, EagleShape
+from llmc.runtime.speculative.medusa import MedusaHeads
+from llmc.runtime.speculative.store import DRAFT_DIR, save_draft, save_heads
 
 EAGLE_WINDOW = 128  # tokens per training window (fewer when the answers are shorter)
 DRAFT_VOCAB_SIZE = 8192  # the draft guesses among the answers' most frequent tokens: its LM head costs a sixth of the target's
@@ -85,7 +86,7 @@ def train_medusa(data: DistillSet, config: DraftConfig, folder: Path) -> dict:
 
     def loss_fn(step: int) -> torch.Tensor:
         rows = torch.randint(len(hidden), (config.batch_size,), generator=generator)
-        return heads.loss(hidden[rows], labels[rows])
+        return medusa_loss(heads, hidden[rows], labels[rows])
 
     train_config = TrainConfig(steps=config.steps, lr=config.lr, seed=config.seed)
     losses = train(heads, loss_fn, train_config, folder, f"medusa heads ({config.num_heads})")
@@ -150,7 +151,7 @@ def train_eagle(data: DistillSet, config: DraftConfig, folder: Path, artifact: P
         return [torch.stack(parts) for parts in zip(*(window(*pool[index]) for index in picks))]
 
     def loss_fn(step: int) -> torch.Tensor:
-        return draft.loss(*batch(training), lm_head, noise_scale, unroll)
+        return eagle_loss(draft, *batch(training), lm_head, noise_scale, unroll)
 
     def top1_per_step(pool: list, num_batches: int) -> list[float]:
         """Per unrolled step, the share of answer tokens the draft ranks first, drafting from the target's features."""
@@ -158,7 +159,7 @@ def train_eagle(data: DistillSet, config: DraftConfig, folder: Path, artifact: P
         with torch.no_grad():
             for _ in range(num_batches):
                 features, embedded, positions, labels = batch(pool)
-                for step, predicted in enumerate(draft.unrolled(features[:, :window_len], embedded, positions, unroll)):
+                for step, predicted in enumerate(unrolled(draft, features[:, :window_len], embedded, positions, unroll)):
                     step_labels = labels[:, step : step + window_len]
                     valid = step_labels != -100
                     hits[step] += ((predicted @ lm_head.T).argmax(-1) == step_labels)[valid].sum()

@@ -17,13 +17,13 @@ from safetensors.torch import load_file, save_file
 from tqdm import tqdm
 
 from llmc.artifact.writer import MANIFEST
-from llmc.draft.store import DRAFT_DIR
 from llmc.errors import LlmcError
 from llmc.models.spec import llmc_home
-from llmc.runtime.bench import load_prompts, read_prompt_texts
-from llmc.runtime.config import EngineConfig, native_bfloat16
-from llmc.runtime.engine import LLMEngine
-from llmc.runtime.sampling_params import SamplingParams
+from llmc.prompts import distinct_prompts, read_prompt_texts
+from llmc.runtime.engine.config import EngineConfig, native_bfloat16
+from llmc.runtime.engine.llm_engine import LLMEngine
+from llmc.runtime.engine.sampling_params import SamplingParams
+from llmc.runtime.speculative.store import DRAFT_DIR
 
 DISTILL_SEQS = 128  # answers generated side by side: float32 matmuls of 128 rows run 15% faster per token than of 64
 DISTILL_KV_GIB = 2.0  # their KV cache in float32 (46 KiB a token for SmolLM2): no preemption at 128 x ~250 tokens
@@ -73,7 +73,7 @@ def self_distill(artifact: Path, prompts_file: Path, num_prompts: int, max_token
         enable_prefix_caching=False, max_model_len=max_len, dtype=dtype, dense_weights=True, keep_hidden_states=True,
         max_num_seqs=DISTILL_SEQS, max_num_batched_tokens=2 * 512, kv_cache_gib=DISTILL_KV_GIB,
     ))
-    prompts = list(dict.fromkeys(load_prompts(prompts_file, num_prompts, engine.tokenizer, chat_template=True, shared_prefix_tokens=0)))
+    prompts = distinct_prompts(prompts_file, num_prompts, engine.tokenizer)
     prompts = [prompt for prompt in prompts if len(engine.tokenize(prompt)) + max_tokens < engine.max_model_len]
     if not prompts:
         raise LlmcError(f"no prompt of {prompts_file} fits {engine.max_model_len} tokens with a {max_tokens}-token answer")

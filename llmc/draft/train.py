@@ -12,7 +12,7 @@ from torch import nn
 from tqdm import tqdm
 
 from llmc.plot import saved_figure
-from llmc.runtime.config import native_bfloat16
+from llmc.runtime.engine.config import native_bfloat16
 
 CHECKPOINT = "checkpoint.safetensors"
 

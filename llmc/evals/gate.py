@@ -1,8 +1,19 @@
 """The quality gate: every quantized target must hold every threshold against the baseline."""
 from dataclasses import asdict, dataclass
 
+from pydantic import Field
+
 from llmc.errors import LlmcError
-from llmc.recipe import GateConfig
+from llmc.schema import StrictModel
+
+
+class GateConfig(StrictModel):
+    """Thresholds every quantized target must hold against the baseline."""
+
+    min_recovery: float | None = Field(None, gt=0)
+    max_perplexity_increase: float | None = Field(None, ge=0)
+    max_kl: float | None = Field(None, ge=0)
+    min_agreement: float | None = Field(None, ge=0, le=1)
 
 
 class GateFailed(LlmcError):

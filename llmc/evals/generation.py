@@ -6,7 +6,7 @@ from typing import Protocol
 import torch
 
 from llmc.errors import LlmcError
-from llmc.models.loading import LoadedModel
+from llmc.evals.loading import LoadedModel
 
 
 @dataclass

@@ -10,7 +10,7 @@ from lm_eval.models.huggingface import HFLM
 from lm_eval.tasks import TaskManager
 
 from llmc.errors import LlmcError
-from llmc.models.loading import LoadedModel, load_model
+from llmc.evals.loading import LoadedModel, load_model
 
 LOCAL_TASKS = Path(__file__).parent / "tasks"
 

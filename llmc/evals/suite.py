@@ -4,12 +4,12 @@ from dataclasses import dataclass
 
 from llmc.evals.business import BusinessResult, compare_business, recovery, run_business
 from llmc.evals.business_set import BusinessItem, load_business_set
+from llmc.evals.config import EvalConfig
 from llmc.evals.divergence import mean_kl
 from llmc.evals.gate import check_gate
 from llmc.evals.generation import make_generator
+from llmc.evals.loading import LoadedModel, load_model
 from llmc.evals.perplexity import load_eval_text, perplexity
-from llmc.models.loading import LoadedModel, load_model
-from llmc.recipe import EvalConfig
 
 
 @dataclass

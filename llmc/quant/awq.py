@@ -3,15 +3,35 @@ preceding norm or Linear's outputs divided by s, so the full-precision model com
 salient channels get more of the later quantization's resolution. s = mean|x|^α / mean|w|^(1-α), with α chosen
 on a grid for the smallest error of the block's output once the balance weights are quantized. An optional
 clip search then shrinks each group's range to the value with the smallest output error."""
+from typing import ClassVar, Literal
+
 import torch
+from pydantic import Field
 from torch import nn
 
-from llmc.calib.layer import LayerWork
 from llmc.models.families import Family, ScalingPair
+from llmc.quant.layer import LayerWork
 from llmc.quant.qtypes import QuantArgs, QuantizedWeight, fake_quantize
-from llmc.recipe import AWQStage
+from llmc.schema import StrictModel
 
 CLIP_TOKENS = 512  # evenly spaced calibration tokens for the clip search, as AutoAWQ samples
+
+
+class AWQStage(StrictModel):
+    """Scales each (norm or Linear) -> Linears pair so that a later stage's quantization loses less; quantizes
+    nothing itself."""
+
+    type: Literal["awq"]
+    targets: list[str] = ["Linear"]  # pairs whose every balance Linear matches are scaled
+    ignore: list[str] = []
+    n_grid: int = Field(20, gt=1)
+    duo_scaling: bool = True
+    clip_search: bool = False
+    max_shrink: float = Field(0.5, gt=0, lt=1)  # the clip search tries ranges down to (1 - max_shrink) x max
+    needs_calibration: ClassVar[bool] = True
+
+    def modifier(self, scale_dtype: torch.dtype, family: Family) -> "AWQTransform":
+        return AWQTransform(self, family)
 
 
 def group_width(args: QuantArgs, columns: int) -> int:

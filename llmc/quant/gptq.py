@@ -1,11 +1,14 @@
 """GPTQ (Frantar et al., 2022): quantize a weight column by column and push each column's rounding error onto the
 columns not yet quantized, weighted by the inverse Hessian of the layer's inputs, H = 2 X Xᵀ / n."""
 import warnings
+from typing import Literal
 
 import torch
+from pydantic import Field, model_validator
 from torch import nn
 
-from llmc.calib.layer import LayerWork
+from llmc.models.families import Family
+from llmc.quant.layer import LayerWork
 from llmc.quant.qtypes import (
     QuantArgs,
     QuantizedWeight,
@@ -14,9 +17,28 @@ from llmc.quant.qtypes import (
     observe_range,
     quantize_columns,
 )
-from llmc.recipe import GPTQStage
+from llmc.quant.weight_stage import WeightStage
 
 DAMPENING_RETRIES = 5
+
+
+class GPTQStage(WeightStage):
+    type: Literal["gptq"]
+    block_size: int = Field(128, gt=0)
+    dampening_frac: float = Field(0.01, gt=0)
+
+    @model_validator(mode="after")
+    def _no_blocks(self) -> "GPTQStage":
+        if self.weights.strategy == "block":
+            raise ValueError("weights.strategy: GPTQ walks columns and cannot fix 2-D block scales; use type: rtn")
+        return self
+
+    @property
+    def needs_calibration(self) -> bool:
+        return True
+
+    def modifier(self, scale_dtype: torch.dtype, family: Family) -> "GPTQQuantizer":
+        return GPTQQuantizer(self, scale_dtype)
 
 
 def upper_cholesky_of_inverse(hessian: torch.Tensor, dampening_frac: float, name: str) -> torch.Tensor:

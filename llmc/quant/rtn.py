@@ -1,10 +1,27 @@
 """Round-to-nearest: each targeted Linear's weight quantized on its own min/max range. Needs no data."""
+from typing import Literal
+
 import torch
+from pydantic import model_validator
 from torch import nn
 
-from llmc.calib.layer import LayerWork
+from llmc.models.families import Family
+from llmc.quant.layer import LayerWork
 from llmc.quant.qtypes import QuantizedWeight, quantize_weight
-from llmc.recipe import RTNStage
+from llmc.quant.weight_stage import WeightStage
+
+
+class RTNStage(WeightStage):
+    type: Literal["rtn"]
+
+    @model_validator(mode="after")
+    def _no_actorder(self) -> "RTNStage":
+        if self.weights.actorder is not None:
+            raise ValueError("weights.actorder needs a Hessian; use type: gptq")
+        return self
+
+    def modifier(self, scale_dtype: torch.dtype, family: Family) -> "RTNQuantizer":
+        return RTNQuantizer(self, scale_dtype)
 
 
 class RTNQuantizer:

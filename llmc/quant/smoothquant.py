@@ -2,16 +2,34 @@
 calibration inputs x and the balance Linears' input columns w; the smooth side is divided by s and the balance
 columns multiplied by s (AWQ's fold), so the full-precision model is unchanged while activation outliers move into
 the weights, where 8-bit per-channel scales absorb them."""
+from typing import ClassVar, Literal
+
 import torch
+from pydantic import Field
 from torch import nn
 
-from llmc.calib.layer import LayerWork
 from llmc.models.families import Family
 from llmc.quant.awq import fold_scales, scalable_pairs
+from llmc.quant.layer import LayerWork
 from llmc.quant.qtypes import QuantizedWeight
-from llmc.recipe import SmoothQuantStage
+from llmc.schema import StrictModel
 
 MIN_SCALE = 1e-5
+
+
+class SmoothQuantStage(StrictModel):
+    """Moves activation outliers into the weights: per scaling pair, s_j = max|x_j|^alpha / max|w_j|^(1-alpha)
+    divides the preceding norm (or Linear) and multiplies the balance Linears' input columns, so the model in full
+    precision is unchanged and a later W8A8 stage quantizes smoother activations; quantizes nothing itself."""
+
+    type: Literal["smoothquant"]
+    alpha: float = Field(0.5, ge=0, le=1)  # smoothing strength: 0 leaves activations, 1 moves all range to weights
+    targets: list[str] = ["Linear"]  # pairs whose every balance Linear matches are smoothed
+    ignore: list[str] = []
+    needs_calibration: ClassVar[bool] = True
+
+    def modifier(self, scale_dtype: torch.dtype, family: Family) -> "SmoothQuantTransform":
+        return SmoothQuantTransform(self, family)
 
 
 def smoothing_scales(input_max: torch.Tensor, weights: list[torch.Tensor], alpha: float) -> torch.Tensor:

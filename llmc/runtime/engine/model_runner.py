@@ -4,13 +4,13 @@ import time
 import torch
 
 from llmc.errors import LlmcError
-from llmc.runtime.config import EngineConfig
-from llmc.runtime.cuda_graphs import DecodeGraphs
+from llmc.runtime.engine.config import EngineConfig
+from llmc.runtime.engine.cuda_graphs import DecodeGraphs
+from llmc.runtime.engine.loader import WeightLoader
+from llmc.runtime.engine.sequence import Sequence
 from llmc.runtime.layers.attention import AttentionMetadata, DecodeRows, decode_buckets
 from llmc.runtime.layers.sampler import SampledToken, sample
-from llmc.runtime.loader import WeightLoader
 from llmc.runtime.models.llama import LlamaForCausalLM
-from llmc.runtime.sequence import Sequence
 
 logger = logging.getLogger(__name__)
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
@@ -61,7 +61,7 @@ class ModelRunner:
                 attention.decode_attention = decode_attention_triton
         self.speculator = None
         if config.speculative is not None:
-            from llmc.runtime.spec.decoder import SpeculativeDecoder
+            from llmc.runtime.speculative.decoder import SpeculativeDecoder
 
             self.speculator = SpeculativeDecoder(config.speculative, self, config)
         self.graphs = None

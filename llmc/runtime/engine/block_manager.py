@@ -1,7 +1,7 @@
 from collections import OrderedDict
 from dataclasses import dataclass
 
-from llmc.runtime.sequence import Sequence
+from llmc.runtime.engine.sequence import Sequence
 
 
 @dataclass(slots=True)

@@ -8,10 +8,6 @@ from torch import nn
 
 from llmc.runtime.layers.rotary import rotate_half
 
-TOKEN_LOSS_WEIGHT = 0.1  # the token loss through the LM head, next to the feature regression
-OUT_OF_VOCAB = -1  # label of a token the draft cannot guess: its feature is learned, not the token
-INPUT_NOISE = 0.2  # uniform noise on input features in training, in units of the features' RMS: drafting feeds its own guesses back
-
 
 @dataclass(slots=True)
 class EagleShape:
@@ -67,38 +63,3 @@ class EagleDraft(nn.Module):
         x = x + self.o_proj(attended.transpose(1, 2).flatten(2))
         mlp_in = self.post_attention_layernorm(x.to(self.post_attention_layernorm.weight.dtype))  # float32 under autocast
         return x + self.down_proj(F.silu(self.gate_proj(mlp_in)) * self.up_proj(mlp_in)), k, v
-
-    def unrolled(self, features: torch.Tensor, embeddings: torch.Tensor, positions: torch.Tensor, unroll: int) -> list[torch.Tensor]:
-        """Windows of `tokens` pairs drafted `unroll` steps deep as in serving (EAGLE-3's training-time test): step
-        s > 0 feeds the features step s - 1 predicted back in with the tokens after them, attending to the true
-        pairs before it and to its own chain of guesses. features [batch, tokens, hidden], embeddings [batch,
-        tokens + unroll - 1, hidden] of the token after each feature, positions [batch, tokens] of the pairs.
-        Returns each step's predicted features [batch, tokens, hidden]: step s at row i guesses feature i + s + 1."""
-        tokens = positions.shape[1]
-        causal = torch.ones(tokens, tokens, dtype=torch.bool, device=features.device).tril()
-        own_chain = torch.eye(tokens, dtype=torch.bool, device=features.device)
-        inputs, past, steps = features, None, []
-        for step in range(unroll):
-            mask = torch.cat([causal] + [own_chain] * step, 1)
-            inputs, keys, values = self(inputs, embeddings[:, step : step + tokens], positions + step, mask, past)
-            past = (keys, values) if past is None else (torch.cat([past[0], keys], 1), torch.cat([past[1], values], 1))
-            steps.append(inputs)
-        return steps
-
-    def loss(self, features: torch.Tensor, embeddings: torch.Tensor, positions: torch.Tensor, labels: torch.Tensor,
-             lm_head: torch.Tensor, noise_scale: float, unroll: int) -> torch.Tensor:
-        """`unrolled` on noisy features, each step's feature regression plus token loss averaged. features [batch,
-        tokens + unroll, hidden] the target's, labels [batch, tokens + unroll - 1] the token after each next
-        feature as an index into lm_head (-100: no loss, OUT_OF_VOCAB: the feature loss only), lm_head [vocab,
-        hidden] frozen, the draft vocabulary's rows."""
-        tokens = positions.shape[1]
-        inputs = features[:, :tokens]
-        noisy = inputs + (torch.rand_like(inputs) - 0.5) * INPUT_NOISE * noise_scale
-        total = features.new_zeros(())
-        for step, predicted in enumerate(self.unrolled(noisy, embeddings, positions, unroll)):
-            step_labels = labels[:, step : step + tokens]
-            answer, in_vocab = step_labels != -100, step_labels >= 0
-            feature_loss = F.smooth_l1_loss(predicted[answer], features[:, step + 1 : step + 1 + tokens][answer])
-            token_loss = F.cross_entropy(predicted[in_vocab] @ lm_head.T, step_labels[in_vocab])
-            total = total + feature_loss + TOKEN_LOSS_WEIGHT * token_loss
-        return total / unroll

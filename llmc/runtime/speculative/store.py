@@ -7,8 +7,8 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from llmc.errors import LlmcError
-from llmc.draft.eagle import EagleDraft, EagleShape
-from llmc.draft.medusa import MedusaHeads
+from llmc.runtime.speculative.eagle import EagleDraft, EagleShape
+from llmc.runtime.speculative.medusa import MedusaHeads
 
 DRAFT_DIR = "draft"
 WEIGHTS = "heads.safetensors"

@@ -6,16 +6,16 @@ from pathlib import Path
 
 import torch
 
-from llmc.draft.store import load_draft
 from llmc.errors import LlmcError
-from llmc.runtime.config import EngineConfig
+from llmc.runtime.engine.config import EngineConfig
+from llmc.runtime.engine.sequence import Sequence
 from llmc.runtime.layers.sampler import SampledToken, greedy_tokens, sampled_token, sampling_probs
-from llmc.runtime.sequence import Sequence
-from llmc.runtime.spec.acceptance import greedy_accept, rejection_sample
-from llmc.runtime.spec.governor import DraftGovernor
-from llmc.runtime.spec.proposers import Observed, build_proposer
-from llmc.runtime.spec.stats import SpecStats
-from llmc.runtime.spec.tree import DraftTree
+from llmc.runtime.speculative.acceptance import greedy_accept, rejection_sample
+from llmc.runtime.speculative.governor import DraftGovernor
+from llmc.runtime.speculative.proposers import Observed, build_proposer
+from llmc.runtime.speculative.stats import SpecStats
+from llmc.runtime.speculative.store import load_draft
+from llmc.runtime.speculative.tree import DraftTree
 
 
 class SpeculativeDecoder:

@@ -6,8 +6,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-LOSS_DECAY = 0.8  # weight of head k is LOSS_DECAY ** k: far guesses are rarely accepted, so they matter less
-
 
 class ResBlock(nn.Module):
     def __init__(self, hidden_size: int):
@@ -45,16 +43,3 @@ class MedusaHeads(nn.Module):
         """[N, hidden] -> logits over the draft vocabulary [num_heads, N, draft_vocab] of the first num_heads (default all)."""
         pairs = list(zip(self.blocks, self.projections))[:num_heads]
         return torch.stack([projection(block(hidden)) for block, projection in pairs])
-
-    def loss(self, hidden: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        """hidden [N, hidden], labels [N, num_heads] as indices into the draft vocabulary (negative: no loss)."""
-        logits, labels = self(hidden), labels.masked_fill(labels < 0, -100)
-        losses = [F.cross_entropy(logits[k], labels[:, k], ignore_index=-100) for k in range(self.num_heads)]
-        return sum(LOSS_DECAY**k * loss for k, loss in enumerate(losses))
-
-
-def medusa_labels(token_ids: list[int], start: int, num_heads: int) -> torch.Tensor:
-    """Row t (from start) holds the tokens at t + 2, ..., t + num_heads + 1 that the heads must guess."""
-    rows = [[token_ids[t + k + 2] if t + k + 2 < len(token_ids) else -100 for k in range(num_heads)]
-            for t in range(start, len(token_ids) - 1)]
-    return torch.tensor(rows, dtype=torch.long)

@@ -5,14 +5,14 @@ from pathlib import Path
 from transformers import AutoConfig, AutoTokenizer
 
 from llmc.errors import LlmcError
-from llmc.runtime.block_manager import BlockManager
-from llmc.runtime.config import EngineConfig
+from llmc.runtime.engine.block_manager import BlockManager
+from llmc.runtime.engine.config import EngineConfig
+from llmc.runtime.engine.loader import WeightLoader
+from llmc.runtime.engine.model_runner import ModelRunner
+from llmc.runtime.engine.sampling_params import SamplingParams
+from llmc.runtime.engine.scheduler import Scheduler
+from llmc.runtime.engine.sequence import Sequence
 from llmc.runtime.layers.sampler import SampledToken
-from llmc.runtime.loader import WeightLoader
-from llmc.runtime.model_runner import ModelRunner
-from llmc.runtime.sampling_params import SamplingParams
-from llmc.runtime.scheduler import Scheduler
-from llmc.runtime.sequence import Sequence
 
 
 def eos_token_ids(tokenizer, folder: Path) -> set[int]:

@@ -1,9 +1,9 @@
 from collections import Counter, deque
 
-from llmc.runtime.block_manager import BlockManager
-from llmc.runtime.config import EngineConfig
-from llmc.runtime.sequence import Sequence, SequenceStatus
-from llmc.runtime.spec.tree import DraftTree
+from llmc.runtime.engine.block_manager import BlockManager
+from llmc.runtime.engine.config import EngineConfig
+from llmc.runtime.engine.sequence import Sequence, SequenceStatus
+from llmc.runtime.speculative.tree import DraftTree
 
 
 class Scheduler:

@@ -7,15 +7,14 @@ import random
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import httpx
 import numpy as np
 import torch
 
 from llmc.errors import LlmcError
-from llmc.runtime.async_engine import AsyncLLMEngine
-from llmc.runtime.sampling_params import SamplingParams
+from llmc.runtime.engine.sampling_params import SamplingParams
+from llmc.runtime.serving.async_engine import AsyncLLMEngine
 
 PERCENTILES = (50, 90, 99)
 
@@ -28,40 +27,6 @@ class RequestResult:
     latency: float = 0.0
     itls: list[float] = field(default_factory=list)
     cancelled: bool = False
-
-
-def read_prompt_texts(path: Path) -> list[str]:
-    """The first user turn of every row of a JSONL file: MT-bench `turns`, `messages`, or a `prompt`/`text` field."""
-    if not path.is_file():
-        raise LlmcError(f"prompt file not found: {path}")
-    texts = []
-    for line in path.read_text().splitlines():
-        row = json.loads(line) if line.strip() else {}
-        text = (row.get("turns") or [None])[0] or (row.get("messages") or [{}])[0].get("content") or row.get("prompt") or row.get("text")
-        if text:
-            texts.append(text)
-    if not texts:
-        raise LlmcError(f"{path} has no rows with `turns`, `messages`, `prompt` or `text`")
-    return texts
-
-
-def load_prompts(path: Path, num_prompts: int, tokenizer, chat_template: bool, shared_prefix_tokens: int) -> list[str]:
-    """First turns of MT-bench, the first `messages` turn, or the `prompt`/`text` field of any JSONL; reused in order
-    to reach num_prompts."""
-    texts = read_prompt_texts(path)
-    prefix = ""
-    if shared_prefix_tokens:
-        corpus = tokenizer.encode(" ".join(texts) * (1 + shared_prefix_tokens // 1000), add_special_tokens=False)
-        prefix = tokenizer.decode(corpus[:shared_prefix_tokens]) + "\n\n"
-    prompts = []
-    for index in range(num_prompts):
-        text = texts[index % len(texts)]
-        if chat_template and tokenizer.chat_template:
-            messages = ([{"role": "system", "content": prefix}] if prefix else []) + [{"role": "user", "content": text}]
-            prompts.append(tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True))
-        else:
-            prompts.append(prefix + text)
-    return prompts
 
 
 async def stream_from_url(client: httpx.AsyncClient, url: str, model: str, prompt: str, max_tokens: int) -> AsyncIterator[int]:
@@ -160,7 +125,7 @@ def hf_baseline(model: str, prompts: list[str], max_tokens: int) -> dict:
     """transformers `generate` in float32 on the same (dequantized) weights, one request at a time."""
     from transformers.generation.streamers import BaseStreamer
 
-    from llmc.models.loading import load_model
+    from llmc.evals.loading import load_model
 
     loaded = load_model(model, torch.float32)
 

@@ -7,14 +7,14 @@ from weakref import WeakKeyDictionary
 import torch
 from torch import nn
 
-from llmc.draft.eagle import EagleDraft
-from llmc.draft.medusa import MedusaHeads
 from llmc.errors import LlmcError
-from llmc.runtime.config import EngineConfig
+from llmc.runtime.engine.config import EngineConfig
+from llmc.runtime.engine.sequence import Sequence
 from llmc.runtime.models.llama import LlamaForCausalLM
-from llmc.runtime.sequence import Sequence
-from llmc.runtime.spec.draft_weights import int8_linear, with_int8_linears
-from llmc.runtime.spec.tree import ROOT, DraftTree
+from llmc.runtime.speculative.draft_weights import int8_linear, with_int8_linears
+from llmc.runtime.speculative.eagle import EagleDraft
+from llmc.runtime.speculative.medusa import MedusaHeads
+from llmc.runtime.speculative.tree import ROOT, DraftTree
 
 TREE_TOP_K = 4  # tokens expanded per node, and paths kept per level, when drafting a tree (more for trees past 4 x depth)
 

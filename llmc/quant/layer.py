@@ -1,8 +1,9 @@
 """What a stage sees of one decoder layer: the layer, its Linears and their formats, a runner over the
 calibration inputs, and hooks that hand a stage the inputs of the modules it observes."""
+from collections.abc import Callable
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Callable, Protocol
+from typing import Protocol
 
 import torch
 from torch import nn
@@ -68,8 +69,10 @@ class LayerWork:
     runner: LayerRunner | None
 
 
-class Stage(Protocol):
-    config: object  # the recipe stage
+class Modifier(Protocol):
+    """A stage's algorithm, as the layer-by-layer driver runs it."""
+
+    config: object  # the stage's section of the recipe
     quantizes: bool
 
     def observed_modules(self, work: LayerWork) -> dict[str, nn.Module]: ...

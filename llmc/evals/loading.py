@@ -8,8 +8,8 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from llmc.artifact.reader import dense_state_dict, is_artifact, runtime_quantization
 from llmc.errors import LlmcError
+from llmc.evals.emulation import emulate_runtime_quantization
 from llmc.models.spec import resolve_model
-from llmc.quant.emulation import emulate_runtime_quantization
 
 
 @dataclass

@@ -13,11 +13,11 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from llmc.errors import LlmcError
-from llmc.runtime.async_engine import AsyncLLMEngine, EngineBusy
-from llmc.runtime.engine import RequestOutput
-from llmc.runtime.metrics import ServerMetrics
-from llmc.runtime.protocol import ChatCompletionRequest, CompletionRequest, SamplingRequest
-from llmc.runtime.sampling_params import SamplingParams
+from llmc.runtime.engine.llm_engine import RequestOutput
+from llmc.runtime.engine.sampling_params import SamplingParams
+from llmc.runtime.serving.async_engine import AsyncLLMEngine, EngineBusy
+from llmc.runtime.serving.metrics import ServerMetrics
+from llmc.runtime.serving.protocol import ChatCompletionRequest, CompletionRequest, SamplingRequest
 
 DISCONNECT_POLL_SECONDS = 0.25
 

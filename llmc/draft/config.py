@@ -1,0 +1,35 @@
+"""The `draft` section: which heads to train on the quantized model, on which prompts, for how long."""
+from typing import Literal
+
+from pydantic import Field, field_validator, model_validator
+
+from llmc.schema import StrictModel
+
+
+class DraftConfig(StrictModel):
+    """Draft heads trained on the quantized model, by self-distillation on `prompts` (never the evaluation set)."""
+
+    method: Literal["medusa", "eagle"] = "medusa"
+    num_heads: int = Field(4, gt=0, le=8)  # Medusa heads
+    # JSONL prompt files, each self-distilled and cached on its own: the project's templated requests and the
+    # requests the default model itself writes (calib_data/README.md)
+    prompts: list[str] = ["calib_data/draft_prompts.jsonl", "calib_data/sampled_prompts.jsonl"]
+    num_prompts: int | None = Field(None, gt=0)  # at most this many prompts of each file; None: all of them
+    max_tokens: int = Field(128, gt=0)  # answer length generated per prompt
+    steps: int | None = Field(None, gt=0)  # default: 300 for Medusa, 6000 for EAGLE (~25 min for SmolLM2 on 2 cores)
+    batch_size: int | None = Field(None, gt=0)  # rows (tokens) per step, default 128; EAGLE: windows of 128 tokens, default 512
+    lr: float = Field(1e-3, gt=0)
+    unroll: int = Field(3, gt=0, le=8)  # EAGLE: drafting steps unrolled in training, each fed the previous one's guess
+    seed: int = 0
+
+    @field_validator("prompts", mode="before")
+    @classmethod
+    def _one_file_or_many(cls, value):
+        return [value] if isinstance(value, str) else value
+
+    @model_validator(mode="after")
+    def _method_defaults(self) -> "DraftConfig":
+        eagle = self.method == "eagle"
+        self.steps = self.steps or (6000 if eagle else 300)
+        self.batch_size = self.batch_size or (512 if eagle else 128)
+        return self

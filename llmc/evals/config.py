@@ -1,0 +1,54 @@
+"""What `llmc eval` and a recipe's `eval` section measure: perplexity, a business set, lm-eval tasks, and the gate
+over them."""
+from pydantic import Field, model_validator
+
+from llmc.evals.gate import GateConfig
+from llmc.schema import StrictModel
+from llmc.validation import validated
+
+
+class PerplexityEval(StrictModel):
+    dataset: str
+    seq_len: int = Field(1024, gt=0)
+    max_windows: int | None = Field(40, gt=0)
+
+
+class BusinessEval(StrictModel):
+    dataset: str
+    limit: int | None = Field(None, gt=0)
+
+
+class LmEvalTasks(StrictModel):
+    names: list[str] = Field(min_length=1)
+    limit: float | None = Field(None, gt=0)
+
+
+class EvalConfig(StrictModel):
+    perplexity: PerplexityEval | None = None
+    business: BusinessEval | None = None
+    tasks: LmEvalTasks | None = None
+    gate: GateConfig | None = None
+    baseline: bool = True
+
+    @model_validator(mode="after")
+    def _gate_has_its_metrics(self) -> "EvalConfig":
+        gate = self.gate
+        if gate is None:
+            return self
+        if not self.baseline:
+            raise ValueError("gate: compares against the baseline, so it needs baseline: true")
+        requirements = {
+            "min_recovery": (self.business or self.tasks, "eval.business or eval.tasks"),
+            "max_perplexity_increase": (self.perplexity, "eval.perplexity"),
+            "max_kl": (self.business, "eval.business"),
+            "min_agreement": (self.business, "eval.business"),
+        }
+        for threshold, (measured, source) in requirements.items():
+            if getattr(gate, threshold) is not None and not measured:
+                raise ValueError(f"gate.{threshold}: needs {source} to be measured")
+        return self
+
+
+def eval_config(data: dict, source: str) -> EvalConfig:
+    """An eval section built from command-line options, validated like a recipe's."""
+    return validated(EvalConfig, {key: value for key, value in data.items() if value is not None}, source)

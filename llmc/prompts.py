@@ -1,0 +1,44 @@
+"""Prompt files (JSONL) for benchmarks, speculative evaluation and draft training, read one way for all of them."""
+import json
+from pathlib import Path
+
+from llmc.errors import LlmcError
+
+
+def read_prompt_texts(path: Path) -> list[str]:
+    """The first user turn of every row of a JSONL file: MT-bench `turns`, `messages`, or a `prompt`/`text` field."""
+    if not path.is_file():
+        raise LlmcError(f"prompt file not found: {path}")
+    texts = []
+    for line in path.read_text().splitlines():
+        row = json.loads(line) if line.strip() else {}
+        text = (row.get("turns") or [None])[0] or (row.get("messages") or [{}])[0].get("content") or row.get("prompt") or row.get("text")
+        if text:
+            texts.append(text)
+    if not texts:
+        raise LlmcError(f"{path} has no rows with `turns`, `messages`, `prompt` or `text`")
+    return texts
+
+
+def load_prompts(path: Path, num_prompts: int, tokenizer, chat_template: bool, shared_prefix_tokens: int) -> list[str]:
+    """First turns of MT-bench, the first `messages` turn, or the `prompt`/`text` field of any JSONL; reused in order
+    to reach num_prompts."""
+    texts = read_prompt_texts(path)
+    prefix = ""
+    if shared_prefix_tokens:
+        corpus = tokenizer.encode(" ".join(texts) * (1 + shared_prefix_tokens // 1000), add_special_tokens=False)
+        prefix = tokenizer.decode(corpus[:shared_prefix_tokens]) + "\n\n"
+    prompts = []
+    for index in range(num_prompts):
+        text = texts[index % len(texts)]
+        if chat_template and tokenizer.chat_template:
+            messages = ([{"role": "system", "content": prefix}] if prefix else []) + [{"role": "user", "content": text}]
+            prompts.append(tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True))
+        else:
+            prompts.append(prefix + text)
+    return prompts
+
+
+def distinct_prompts(path: Path, num_prompts: int, tokenizer) -> list[str]:
+    """The file's first num_prompts prompts through the chat template, each once."""
+    return list(dict.fromkeys(load_prompts(path, num_prompts, tokenizer, chat_template=True, shared_prefix_tokens=0)))

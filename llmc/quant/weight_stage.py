@@ -1,0 +1,54 @@
+"""The fields every quantizing stage shares: the weights' format (or a scheme preset naming it), the input
+activations' format for W8A8 and FP8, and which Linears it targets."""
+from typing import Any
+
+from pydantic import model_validator
+
+from llmc.quant.qtypes import QuantArgs
+from llmc.quant.schemes import resolve_activation_args, resolve_weight_args
+from llmc.schema import StrictModel
+
+
+class WeightStage(StrictModel):
+    """A stage that quantizes the weights of the Linears it targets."""
+
+    scheme: str | None = None
+    weights: QuantArgs = QuantArgs()
+    input_activations: QuantArgs | None = None  # W8A8 / FP8: the Linears' inputs are quantized too
+    targets: list[str] = ["Linear"]
+    ignore: list[str] = []
+
+    @model_validator(mode="before")
+    @classmethod
+    def _apply_scheme(cls, data: Any) -> Any:
+        if isinstance(data, dict) and data.get("scheme") is not None:
+            weights = data.get("weights") or {}
+            activations = data.get("input_activations")
+            if isinstance(weights, dict) and isinstance(activations, dict | None):
+                data = {
+                    **data,
+                    "weights": resolve_weight_args(data["scheme"], weights),
+                    "input_activations": resolve_activation_args(data["scheme"], activations),
+                }
+        return data
+
+    @model_validator(mode="after")
+    def _activation_format(self) -> "WeightStage":
+        acts = self.input_activations
+        if self.weights.dynamic:
+            raise ValueError("weights.dynamic: weights are quantized once, only input_activations can be dynamic")
+        if self.weights.strategy == "token":
+            raise ValueError("weights.strategy: 'token' is for input_activations; use channel")
+        if acts is None:
+            return self
+        if not acts.symmetric or acts.strategy in ("channel", "block") or acts.actorder:
+            raise ValueError("input_activations: symmetric, with strategy token, group (dynamic) or tensor")
+        if acts.strategy == "group" and not acts.dynamic:
+            raise ValueError("input_activations.dynamic: per-token-group scales exist only at run time; set it true")
+        if acts.num_bits != 8 or self.weights.num_bits != 8:
+            raise ValueError("input_activations: W8A8 and FP8 need 8-bit weights and activations")
+        return self
+
+    @property
+    def needs_calibration(self) -> bool:
+        return self.input_activations is not None and not self.input_activations.dynamic
