@@ -21,11 +21,11 @@ from transformers import LlamaConfig
 
 from llmc.quant.qtypes import QuantArgs, QuantizedWeight
 from llmc.runtime.engine.config import EngineConfig
-from llmc.runtime.engine.llm_engine import LLMEngine
+from llmc.runtime.engine.model_runner import ModelRunner
 from llmc.runtime.layers.linear import build_linear
 from llmc.runtime.layers.linear_weight import LinearWeight
-from llmc.runtime.engine.model_runner import ModelRunner
-from llmc.runtime.engine.sampling_params import SamplingParams
+from llmc.runtime.llm_engine import LLMEngine
+from llmc.runtime.sampling_params import SamplingParams
 
 MODELS = {
     "Llama-3-8B": dict(

@@ -161,8 +161,8 @@ def llmcompressor_quantize(folder: Path, name: str, model: str, ids_file: Path, 
 
 
 def perplexity_of(target: str, text: str, windows: int) -> float:
-    from llmc.evals.perplexity import perplexity
     from llmc.evals.loading import load_model
+    from llmc.evals.perplexity import perplexity
 
     loaded = load_model(target)
     return perplexity(loaded.model, loaded.tokenizer, text, "wikitext2", 1024, windows, label=target[-40:]).perplexity
@@ -174,9 +174,8 @@ def quality_table(args) -> list[dict]:
     from safetensors.torch import save_file
     from transformers import AutoTokenizer
 
-    from llmc.calib.data import load_calibration
+    from llmc.calib.data import CalibrationConfig, load_calibration
     from llmc.models.spec import resolve_model
-    from llmc.calib.data import CalibrationConfig
 
     text = (DATA / "wikitext-2-raw" / "wiki.test.raw").read_text()
     base = args.fp32_perplexity or perplexity_of(args.model, text, args.windows)

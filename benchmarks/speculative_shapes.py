@@ -15,8 +15,8 @@ import torch
 from llmc.evals.speculative import timed_generate
 from llmc.prompts import distinct_prompts
 from llmc.runtime.engine.config import EngineConfig
-from llmc.runtime.engine.llm_engine import LLMEngine
-from llmc.runtime.engine.sampling_params import SamplingParams
+from llmc.runtime.llm_engine import LLMEngine
+from llmc.runtime.sampling_params import SamplingParams
 from llmc.runtime.speculative.stats import SpecStats
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -15,19 +15,19 @@ from dataclasses import asdict
 from pathlib import Path
 
 import torch
+from speculative_shapes import shape_config
 from transformers import AutoConfig
 
 from llmc.draft.build import DRAFT_VOCAB_SIZE, eagle_shape
-from llmc.runtime.speculative.eagle import EagleDraft
-from llmc.runtime.speculative.store import save_draft, save_heads
 from llmc.runtime.engine.config import EngineConfig
-from llmc.runtime.engine.llm_engine import LLMEngine
 from llmc.runtime.engine.model_runner import ModelRunner
+from llmc.runtime.llm_engine import LLMEngine
 from llmc.runtime.models.llama import LlamaForCausalLM
-from llmc.runtime.engine.sampling_params import SamplingParams
+from llmc.runtime.sampling_params import SamplingParams
 from llmc.runtime.speculative.decoder import SpeculativeDecoder
+from llmc.runtime.speculative.eagle import EagleDraft
 from llmc.runtime.speculative.proposers import EagleProposer, MedusaProposer
-from speculative_shapes import shape_config
+from llmc.runtime.speculative.store import save_draft, save_heads
 
 PARTS = {  # (class, method) -> the part it times
     (ModelRunner, "run"): "whole step", (LlamaForCausalLM, "forward"): "target forward", (LlamaForCausalLM, "compute_logits"): "LM head",

@@ -12,8 +12,8 @@ import torch
 import torch.nn.functional as F
 
 from llmc.runtime.engine.config import EngineConfig
-from llmc.runtime.engine.llm_engine import LLMEngine
 from llmc.runtime.layers.linear import DenseLinear
+from llmc.runtime.llm_engine import LLMEngine
 
 ROWS = (1, 2, 4, 8, 16)
 

@@ -13,7 +13,7 @@ import numpy as np
 import torch
 
 from llmc.errors import LlmcError
-from llmc.runtime.engine.sampling_params import SamplingParams
+from llmc.runtime.sampling_params import SamplingParams
 from llmc.runtime.serving.async_engine import AsyncLLMEngine
 
 PERCENTILES = (50, 90, 99)

@@ -237,7 +237,7 @@ def build_engine(model: str, dtype: str, kv_cache_gib: float, max_num_seqs: int,
     import torch
 
     from llmc.runtime.engine.config import EngineConfig
-    from llmc.runtime.engine.llm_engine import LLMEngine
+    from llmc.runtime.llm_engine import LLMEngine
 
     config = EngineConfig(
         dtype=getattr(torch, dtype), kv_cache_gib=kv_cache_gib, max_num_seqs=max_num_seqs,

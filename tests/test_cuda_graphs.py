@@ -7,8 +7,8 @@ from conftest import CORPUS
 from llmc.runtime.engine import model_runner
 from llmc.runtime.engine.config import EngineConfig
 from llmc.runtime.engine.cuda_graphs import DecodeGraphs, graph_batch_sizes
-from llmc.runtime.engine.llm_engine import LLMEngine
-from llmc.runtime.engine.sampling_params import SamplingParams
+from llmc.runtime.llm_engine import LLMEngine
+from llmc.runtime.sampling_params import SamplingParams
 
 PROMPTS = [" ".join(CORPUS.split()[start : start + length]) for start, length in ((0, 5), (13, 9), (29, 3))]
 GREEDY = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True, logprobs=0)

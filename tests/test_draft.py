@@ -139,7 +139,7 @@ def test_distillation_set_round_trips_through_safetensors(tmp_path):
 
 def test_an_interrupted_distillation_resumes_from_the_answers_it_saved(tmp_path, tiny_llama, monkeypatch):
     import llmc.draft.data as distill
-    from llmc.runtime.engine.llm_engine import LLMEngine
+    from llmc.runtime.llm_engine import LLMEngine
 
     monkeypatch.setenv("LLMC_HOME", str(tmp_path / "home"))
     monkeypatch.setattr(distill, "DISTILL_PART", 3)

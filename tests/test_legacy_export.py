@@ -17,9 +17,9 @@ from llmc.pipeline import run_quantize
 from llmc.quant.qtypes import QuantArgs, QuantizedWeight
 from llmc.recipe import load_recipe
 from llmc.runtime.engine.config import EngineConfig
-from llmc.runtime.engine.llm_engine import LLMEngine
-from llmc.runtime.engine.sampling_params import SamplingParams
 from llmc.runtime.layers.linear import Int4CpuLinear
+from llmc.runtime.llm_engine import LLMEngine
+from llmc.runtime.sampling_params import SamplingParams
 
 G4 = QuantArgs(num_bits=4, symmetric=False, strategy="group", group_size=4)
 

@@ -7,9 +7,9 @@ from llmc.evals.loading import load_model
 from llmc.pipeline import run_quantize
 from llmc.recipe import load_recipe
 from llmc.runtime.engine.config import EngineConfig
-from llmc.runtime.engine.llm_engine import LLMEngine
-from llmc.runtime.engine.sampling_params import SamplingParams
 from llmc.runtime.layers.linear import Int4CpuLinear
+from llmc.runtime.llm_engine import LLMEngine
+from llmc.runtime.sampling_params import SamplingParams
 
 WORDS = CORPUS.split()
 PROMPTS = [" ".join(WORDS[start : start + length]) for start, length in zip(range(0, 80, 10), [3, 9, 5, 14, 7, 2, 11, 6])]

@@ -4,7 +4,6 @@ import torch.nn.functional as F
 
 from llmc.quant.qtypes import QuantArgs, quantize_weight
 from llmc.runtime.engine.block_manager import BlockManager
-from llmc.runtime.engine.sampling_params import SamplingParams
 from llmc.runtime.engine.sequence import Sequence
 from llmc.runtime.layers.attention import decode_attention_reference, prefill_attention_reference
 from llmc.runtime.layers.linear import DenseLinear, Int4CpuLinear, Int8CpuLinear, build_linear
@@ -13,6 +12,7 @@ from llmc.runtime.layers.norm import RMSNorm
 from llmc.runtime.layers.quantized_input_linear import QuantizedInputLinear
 from llmc.runtime.layers.rotary import RotaryEmbedding
 from llmc.runtime.layers.sampler import greedy_tokens
+from llmc.runtime.sampling_params import SamplingParams
 
 
 def quantized(out_features=96, in_features=128, symmetric=True, group_size=32, seed=0):

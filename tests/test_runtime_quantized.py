@@ -12,9 +12,9 @@ from llmc.evals.loading import load_model
 from llmc.pipeline import run_quantize
 from llmc.recipe import load_recipe
 from llmc.runtime.engine.config import EngineConfig
-from llmc.runtime.engine.llm_engine import LLMEngine
-from llmc.runtime.engine.sampling_params import SamplingParams
 from llmc.runtime.layers.quantized_input_linear import QuantizedInputLinear
+from llmc.runtime.llm_engine import LLMEngine
+from llmc.runtime.sampling_params import SamplingParams
 
 REPO = Path(__file__).resolve().parents[1]
 PROMPTS = [" ".join(CORPUS.split()[start : start + 6]) for start in (0, 13, 29)]
@@ -64,8 +64,8 @@ class Absent(importlib.abc.MetaPathFinder):
 sys.meta_path.insert(0, Absent())
 import torch
 from llmc.runtime.engine.config import EngineConfig
-from llmc.runtime.engine.llm_engine import LLMEngine
-from llmc.runtime.engine.sampling_params import SamplingParams
+from llmc.runtime.llm_engine import LLMEngine
+from llmc.runtime.sampling_params import SamplingParams
 import llmc.runtime.engine.cuda_graphs, llmc.runtime.layers.triton_attention, llmc.runtime.layers.triton_w4a16
 import llmc.runtime.layers.triton_act_quant, llmc.runtime.layers.triton_elementwise
 llm = LLMEngine(sys.argv[1], EngineConfig(dtype=torch.float32, num_kv_blocks=16))

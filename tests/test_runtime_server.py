@@ -20,8 +20,8 @@ from conftest import CORPUS, write_recipe
 from llmc.pipeline import run_quantize
 from llmc.recipe import load_recipe
 from llmc.runtime.engine.config import EngineConfig
-from llmc.runtime.engine.llm_engine import LLMEngine
-from llmc.runtime.engine.sampling_params import SamplingParams
+from llmc.runtime.llm_engine import LLMEngine
+from llmc.runtime.sampling_params import SamplingParams
 from llmc.runtime.serving.async_engine import AsyncLLMEngine
 from llmc.runtime.serving.server import build_app
 

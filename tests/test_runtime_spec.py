@@ -10,13 +10,13 @@ from llmc.draft.build import train_eagle, train_medusa
 from llmc.draft.config import DraftConfig
 from llmc.draft.data import DistillSet, self_distill
 from llmc.runtime.engine.config import EngineConfig
-from llmc.runtime.engine.llm_engine import LLMEngine
-from llmc.runtime.engine.sampling_params import SamplingParams
+from llmc.runtime.engine.draft_tree import ROOT, DraftTree
 from llmc.runtime.layers.linear import Int8CpuLinear
+from llmc.runtime.llm_engine import LLMEngine
+from llmc.runtime.sampling_params import SamplingParams
 from llmc.runtime.speculative.acceptance import greedy_accept, rejection_sample
 from llmc.runtime.speculative.governor import DraftGovernor
 from llmc.runtime.speculative.proposers import Observed, add_level, most_probable_nodes
-from llmc.runtime.speculative.tree import ROOT, DraftTree
 
 
 @pytest.fixture(scope="module")

@@ -13,7 +13,7 @@ from llmc.draft.data import DistillSet, cached_self_distill
 from llmc.draft.losses import OUT_OF_VOCAB, eagle_loss, medusa_labels, medusa_loss, unrolled
 from llmc.draft.train import TrainConfig, train
 from llmc.errors import LlmcError
-from llmc.runtime.engine.loader import WeightLoader
+from llmc.runtime.models.loader import WeightLoader
 from llmc.runtime.speculative.eagle import EagleDraft, EagleShape
 from llmc.runtime.speculative.medusa import MedusaHeads
 from llmc.runtime.speculative.store import DRAFT_DIR, save_draft, save_heads

@@ -21,8 +21,8 @@ from llmc.errors import LlmcError
 from llmc.models.spec import llmc_home
 from llmc.prompts import distinct_prompts, read_prompt_texts
 from llmc.runtime.engine.config import EngineConfig, native_bfloat16
-from llmc.runtime.engine.llm_engine import LLMEngine
-from llmc.runtime.engine.sampling_params import SamplingParams
+from llmc.runtime.llm_engine import LLMEngine
+from llmc.runtime.sampling_params import SamplingParams
 from llmc.runtime.speculative.store import DRAFT_DIR
 
 DISTILL_SEQS = 128  # answers generated side by side: float32 matmuls of 128 rows run 15% faster per token than of 64

@@ -9,8 +9,8 @@ import torch
 
 from llmc.plot import saved_figure
 from llmc.runtime.engine.config import EngineConfig
-from llmc.runtime.engine.llm_engine import LLMEngine
-from llmc.runtime.engine.sampling_params import SamplingParams
+from llmc.runtime.llm_engine import LLMEngine
+from llmc.runtime.sampling_params import SamplingParams
 from llmc.runtime.speculative.stats import SpecStats
 
 CONCURRENCY_ROUNDS = 3  # the engines take turns, so that a slow spell of the machine falls on each of them

@@ -1,19 +1,26 @@
 import logging
 import time
+from typing import Protocol
 
 import torch
 
 from llmc.errors import LlmcError
 from llmc.runtime.engine.config import EngineConfig
 from llmc.runtime.engine.cuda_graphs import DecodeGraphs
-from llmc.runtime.engine.loader import WeightLoader
 from llmc.runtime.engine.sequence import Sequence
 from llmc.runtime.layers.attention import AttentionMetadata, DecodeRows, decode_buckets
 from llmc.runtime.layers.sampler import SampledToken, sample
 from llmc.runtime.models.llama import LlamaForCausalLM
+from llmc.runtime.models.loader import WeightLoader
 
 logger = logging.getLogger(__name__)
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
+
+
+class Speculator(Protocol):
+    """Drafts and verifies tokens in the step that computes `hidden` (the speculative package's decoder)."""
+
+    def step(self, seqs: list[Sequence], hidden: torch.Tensor, started: float) -> dict[Sequence, list[SampledToken]]: ...
 
 
 class ModelRunner:
@@ -59,11 +66,7 @@ class ModelRunner:
 
             for attention in self.model.attention_layers():
                 attention.decode_attention = decode_attention_triton
-        self.speculator = None
-        if config.speculative is not None:
-            from llmc.runtime.speculative.decoder import SpeculativeDecoder
-
-            self.speculator = SpeculativeDecoder(config.speculative, self, config)
+        self.speculator: Speculator | None = None  # LLMEngine attaches one when the config names a draft
         self.graphs = None
         if use_graphs:
             max_blocks = -(-self.max_model_len // config.block_size)

@@ -2,8 +2,8 @@ from collections import Counter, deque
 
 from llmc.runtime.engine.block_manager import BlockManager
 from llmc.runtime.engine.config import EngineConfig
+from llmc.runtime.engine.draft_tree import DraftTree
 from llmc.runtime.engine.sequence import Sequence, SequenceStatus
-from llmc.runtime.speculative.tree import DraftTree
 
 
 class Scheduler:

@@ -4,8 +4,8 @@ from enum import Enum, auto
 
 import torch
 
-from llmc.runtime.engine.sampling_params import SamplingParams
-from llmc.runtime.speculative.tree import DraftTree
+from llmc.runtime.engine.draft_tree import DraftTree
+from llmc.runtime.sampling_params import SamplingParams
 
 
 class SequenceStatus(Enum):

@@ -2,7 +2,7 @@ from dataclasses import dataclass
 
 import torch
 
-from llmc.runtime.engine.sampling_params import SamplingParams
+from llmc.runtime.sampling_params import SamplingParams
 
 
 @dataclass(slots=True)

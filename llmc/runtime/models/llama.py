@@ -3,12 +3,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from llmc.runtime.engine.loader import WeightLoader
 from llmc.runtime.layers.attention import AttentionMetadata, PagedAttention
 from llmc.runtime.layers.linear import DenseLinear
 from llmc.runtime.layers.linear_weight import LinearWeight
 from llmc.runtime.layers.norm import RMSNorm
 from llmc.runtime.layers.rotary import RotaryEmbedding
+from llmc.runtime.models.loader import WeightLoader
 
 
 class LlamaAttention(nn.Module):

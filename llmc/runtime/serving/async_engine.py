@@ -6,8 +6,8 @@ import uuid
 from collections.abc import AsyncIterator
 
 from llmc.errors import LlmcError
-from llmc.runtime.engine.llm_engine import LLMEngine, RequestOutput
-from llmc.runtime.engine.sampling_params import SamplingParams
+from llmc.runtime.llm_engine import LLMEngine, RequestOutput
+from llmc.runtime.sampling_params import SamplingParams
 
 
 class EngineBusy(LlmcError):

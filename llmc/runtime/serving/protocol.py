@@ -2,7 +2,7 @@
 from pydantic import BaseModel, ConfigDict, Field
 
 from llmc.errors import LlmcError
-from llmc.runtime.engine.sampling_params import SamplingParams
+from llmc.runtime.sampling_params import SamplingParams
 
 
 class SamplingRequest(BaseModel):

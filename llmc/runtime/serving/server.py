@@ -13,8 +13,8 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from llmc.errors import LlmcError
-from llmc.runtime.engine.llm_engine import RequestOutput
-from llmc.runtime.engine.sampling_params import SamplingParams
+from llmc.runtime.llm_engine import RequestOutput
+from llmc.runtime.sampling_params import SamplingParams
 from llmc.runtime.serving.async_engine import AsyncLLMEngine, EngineBusy
 from llmc.runtime.serving.metrics import ServerMetrics
 from llmc.runtime.serving.protocol import ChatCompletionRequest, CompletionRequest, SamplingRequest

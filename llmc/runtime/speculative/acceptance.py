@@ -3,7 +3,7 @@ with the target's argmax for greedy, rejection sampling otherwise, so the output
 exactly whatever the drafts were."""
 import torch
 
-from llmc.runtime.speculative.tree import ROOT, DraftTree
+from llmc.runtime.engine.draft_tree import ROOT, DraftTree
 
 
 def greedy_accept(target_tokens: list[int], tree: DraftTree) -> list[int]:

@@ -8,6 +8,7 @@ import torch
 
 from llmc.errors import LlmcError
 from llmc.runtime.engine.config import EngineConfig
+from llmc.runtime.engine.draft_tree import DraftTree
 from llmc.runtime.engine.sequence import Sequence
 from llmc.runtime.layers.sampler import SampledToken, greedy_tokens, sampled_token, sampling_probs
 from llmc.runtime.speculative.acceptance import greedy_accept, rejection_sample
@@ -15,7 +16,6 @@ from llmc.runtime.speculative.governor import DraftGovernor
 from llmc.runtime.speculative.proposers import Observed, build_proposer
 from llmc.runtime.speculative.stats import SpecStats
 from llmc.runtime.speculative.store import load_draft
-from llmc.runtime.speculative.tree import DraftTree
 
 
 class SpeculativeDecoder:

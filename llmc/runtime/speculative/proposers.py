@@ -9,12 +9,12 @@ from torch import nn
 
 from llmc.errors import LlmcError
 from llmc.runtime.engine.config import EngineConfig
+from llmc.runtime.engine.draft_tree import ROOT, DraftTree
 from llmc.runtime.engine.sequence import Sequence
 from llmc.runtime.models.llama import LlamaForCausalLM
 from llmc.runtime.speculative.draft_weights import int8_linear, with_int8_linears
 from llmc.runtime.speculative.eagle import EagleDraft
 from llmc.runtime.speculative.medusa import MedusaHeads
-from llmc.runtime.speculative.tree import ROOT, DraftTree
 
 TREE_TOP_K = 4  # tokens expanded per node, and paths kept per level, when drafting a tree (more for trees past 4 x depth)
 

@@ -7,12 +7,13 @@ from transformers import AutoConfig, AutoTokenizer
 from llmc.errors import LlmcError
 from llmc.runtime.engine.block_manager import BlockManager
 from llmc.runtime.engine.config import EngineConfig
-from llmc.runtime.engine.loader import WeightLoader
 from llmc.runtime.engine.model_runner import ModelRunner
-from llmc.runtime.engine.sampling_params import SamplingParams
 from llmc.runtime.engine.scheduler import Scheduler
 from llmc.runtime.engine.sequence import Sequence
 from llmc.runtime.layers.sampler import SampledToken
+from llmc.runtime.models.loader import WeightLoader
+from llmc.runtime.sampling_params import SamplingParams
+from llmc.runtime.speculative.decoder import SpeculativeDecoder
 
 
 def eos_token_ids(tokenizer, folder: Path) -> set[int]:
@@ -53,6 +54,8 @@ class LLMEngine:
 
     def _start(self, name: str, runner: ModelRunner, tokenizer, config: EngineConfig, eos_ids: set[int]) -> None:
         self.config, self.model_name, self.runner, self.tokenizer = config, name, runner, tokenizer
+        if config.speculative is not None and runner.speculator is None:
+            runner.speculator = SpeculativeDecoder(config.speculative, runner, config)
         self.max_model_len = runner.max_model_len
         self.block_manager = BlockManager(runner.num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(config, self.block_manager)
