@@ -15,7 +15,7 @@ from llmc.artifact.export import exporter_for
 from llmc.artifact.writer import ShardWriter, check_output, staged_folder, write_manifest
 from llmc.calib.data import load_calibration
 from llmc.calib.driver import build_skeleton, decoder_layers, decoder_linears, quantize_layerwise
-from llmc.evals.gate import GateFailed
+from llmc.evals.gate import GateFailed, require_gate_passed
 from llmc.evals.report import summary, write_report
 from llmc.evals.suite import EvalTarget, evaluate_side_by_side
 from llmc.models.checkpoint import CheckpointReader
@@ -128,10 +128,10 @@ def run_recipe_evals(recipe: Recipe, staging: Path, output: Path) -> dict:
     targets = [EvalTarget("baseline", recipe.model)] if settings.baseline else []
     report = evaluate_side_by_side([*targets, EvalTarget("artifact", str(staging))], settings)
     report["targets"]["artifact"]["target"] = str(output)
-    gate = report.get("gate")
-    if gate is not None and not gate["passed"]:
+    try:
+        require_gate_passed(report, f"gate failed, no artifact written to {output}")
+    except GateFailed as failed:
         beside = write_report(report, output.with_name(f"{output.name}.gate-report"))
-        raise GateFailed(f"gate failed, no artifact written to {output}:\n  " + "\n  ".join(gate["failures"])
-                         + f"\nreport: {beside / 'report.md'}")
+        raise GateFailed(f"{failed}\nreport: {beside / 'report.md'}") from None
     write_report(report, staging / "report")
     return summary(report)

@@ -257,7 +257,7 @@ def test_llmc_serve_finishes_running_requests_on_sigterm(artifact):
 
 
 def test_bench_against_the_url_with_poisson_arrivals(server):
-    from llmc.bench import bench_url
+    from llmc.bench.load import bench_url
 
     prompts = [f"{PROMPT} {index}" for index in range(6)]
     lengths = [len(server.llm.tokenize(prompt)) for prompt in prompts]

@@ -2,6 +2,7 @@
 over them."""
 from pydantic import Field, model_validator
 
+from llmc.errors import LlmcError
 from llmc.evals.gate import GateConfig
 from llmc.schema import StrictModel
 from llmc.validation import validated
@@ -52,3 +53,23 @@ class EvalConfig(StrictModel):
 def eval_config(data: dict, source: str) -> EvalConfig:
     """An eval section built from command-line options, validated like a recipe's."""
     return validated(EvalConfig, {key: value for key, value in data.items() if value is not None}, source)
+
+
+def options_eval_config(perplexity: str | None, seq_len: int, max_windows: int, business: str | None, tasks: str | None,
+                        limit: int | None, gate: list[str]) -> EvalConfig:
+    """The eval section `llmc eval`'s options describe (`gate` as KEY=VALUE thresholds)."""
+    if not (perplexity or business or tasks):
+        raise LlmcError("nothing to evaluate: pass --perplexity FILE|wikitext2, --business FILE, --tasks NAMES or --speculative")
+    return eval_config({
+        "perplexity": {"dataset": perplexity, "seq_len": seq_len, "max_windows": max_windows} if perplexity else None,
+        "business": {"dataset": business, "limit": limit} if business else None,
+        "tasks": {"names": [name.strip() for name in tasks.split(",") if name.strip()], "limit": limit} if tasks else None,
+        "gate": dict(_threshold(item) for item in gate) or None,
+    }, source="llmc eval options")
+
+
+def _threshold(assignment: str) -> tuple[str, str]:
+    key, separator, value = assignment.partition("=")
+    if not separator:
+        raise LlmcError(f"--gate expects KEY=VALUE (e.g. min_recovery=0.95), got {assignment!r}")
+    return key.strip(), value.strip()

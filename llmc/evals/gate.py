@@ -20,6 +20,13 @@ class GateFailed(LlmcError):
     exit_code = 3
 
 
+def require_gate_passed(report: dict, failure: str = "gate failed") -> None:
+    """GateFailed listing every failing threshold when the report's gate did not pass."""
+    gate = report.get("gate")
+    if gate is not None and not gate["passed"]:
+        raise GateFailed(f"{failure}:\n  " + "\n  ".join(gate["failures"]))
+
+
 @dataclass
 class GateResult:
     thresholds: dict[str, float]

@@ -2,6 +2,8 @@
 import json
 from pathlib import Path
 
+from rich.table import Table
+
 from llmc.evals.charts import write_charts
 
 MAX_DIFFERING_ITEMS = 15
@@ -99,3 +101,10 @@ def _number(value: float | None) -> str:
 
 def _percent(value: float | None, signed: bool = False) -> str:
     return "-" if value is None else f"{value:+.2%}" if signed else f"{value:.1%}"
+
+
+def summary_table(report: dict, title: str) -> Table:
+    table = Table(*SUMMARY_COLUMNS, title=title)
+    for row in summary_rows(report):
+        table.add_row(*row)
+    return table

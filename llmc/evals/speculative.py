@@ -6,12 +6,18 @@ import time
 from pathlib import Path
 
 import torch
+from rich.table import Table
+from transformers import AutoTokenizer
 
+from llmc.errors import LlmcError
+from llmc.models.spec import resolve_model
 from llmc.plot import saved_figure
+from llmc.prompts import distinct_prompts
 from llmc.runtime.engine.config import EngineConfig
 from llmc.runtime.llm_engine import LLMEngine
 from llmc.runtime.sampling_params import SamplingParams
 from llmc.runtime.speculative.stats import SpecStats
+from llmc.runtime.speculative.store import draft_folder
 
 CONCURRENCY_ROUNDS = 3  # the engines take turns, so that a slow spell of the machine falls on each of them
 
@@ -73,3 +79,36 @@ def plot_accepted_lengths(histogram: dict[int, int], path: Path, title: str) -> 
     with saved_figure(path, (5, 3.5)) as axis:
         axis.bar(list(histogram), [count / total for count in histogram.values()])
         axis.set(xlabel="tokens per verification step (accepted + 1)", ylabel="share of steps", title=title)
+
+
+def evaluate_speculative(target: str, speculative: str, prompts_file: Path | None, num_prompts: int, max_tokens: int,
+                         concurrency: int, histogram: Path | None, shape: dict) -> dict:
+    """`llmc eval TARGET --speculative auto|DRAFT_DIR`: speculative_eval on the file's first distinct prompts (chat
+    template, bfloat16), the accepted-length histogram drawn to `histogram` when given."""
+    if prompts_file is None:
+        raise LlmcError("--speculative needs --prompts FILE (e.g. MT-bench question.jsonl)")
+    draft = draft_folder(target, speculative)
+    if draft is None:
+        raise LlmcError(f"{target} has no draft heads; train them with `llmc train-draft {target}` or pass their folder")
+    tokenizer = AutoTokenizer.from_pretrained(resolve_model(target))
+    prompts = distinct_prompts(prompts_file, num_prompts, tokenizer)
+    result = speculative_eval(target, draft, prompts, max_tokens, concurrency, torch.bfloat16, shape)
+    if histogram:
+        plot_accepted_lengths(result["accepted_length_histogram"], histogram, f"{target}: accepted length")
+    return result | {"prompts": str(prompts_file), "concurrency": concurrency}
+
+
+def speculative_table(result: dict) -> Table:
+    table = Table("metric", "value", title=f"speculative decoding, {result['num_prompts']} prompts of {result['prompts']}, greedy")
+    table.add_row("mean accepted length", f"{result['mean_accepted_length']:.2f}")
+    table.add_row("tokens per step, undrafted steps included", f"{result['tokens_per_step']:.2f}")
+    table.add_row("acceptance per position", ", ".join(f"{value:.2f}" for value in result["acceptance_per_position"]))
+    table.add_row("identical to plain decoding", f"{result['identical_outputs']} / {result['num_prompts']}")
+    batch1 = result["batch1"]
+    table.add_row("batch 1 tokens/s plain / speculative", f"{batch1['plain_tokens_per_s']:.1f} / {batch1['speculative_tokens_per_s']:.1f}")
+    table.add_row("batch 1 speed-up, drafting every step / as served", f"x{batch1['speedup']:.2f} / x{batch1['served_speedup']:.2f}")
+    loaded = result.get(f"concurrency{result['concurrency']}")
+    if loaded:
+        table.add_row(f"concurrency {result['concurrency']} speed-up, drafting every step / as served",
+                      f"x{loaded['speedup']:.2f} / x{loaded['served_speedup']:.2f}")
+    return table

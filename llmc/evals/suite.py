@@ -2,6 +2,7 @@
 compared with. The report is a plain dict (report.json), the same for `llmc eval` and `llmc quantize`."""
 from dataclasses import dataclass
 
+from llmc.errors import LlmcError
 from llmc.evals.business import BusinessResult, compare_business, recovery, run_business
 from llmc.evals.business_set import BusinessItem, load_business_set
 from llmc.evals.config import EvalConfig
@@ -23,6 +24,14 @@ class Measured:
     loaded: LoadedModel
     report: dict
     business: BusinessResult | None
+
+
+def evaluate_specs(specs: list[str], config: EvalConfig) -> dict:
+    """evaluate_side_by_side over model specs or artifact folders, each labelled as given (a repeat gets #N)."""
+    if config.gate is not None and len(specs) < 2:
+        raise LlmcError("--gate compares targets with the first one: give at least two targets")
+    labels = [spec if spec not in specs[:index] else f"{spec}#{index + 1}" for index, spec in enumerate(specs)]
+    return evaluate_side_by_side([EvalTarget(label, spec) for label, spec in zip(labels, specs)], config)
 
 
 def evaluate_side_by_side(targets: list[EvalTarget], config: EvalConfig) -> dict:

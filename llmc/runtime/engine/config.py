@@ -23,7 +23,7 @@ class EngineConfig:
     keep_hidden_states: bool = False
     enforce_eager: bool = False  # CUDA: run decode steps eagerly instead of replaying captured CUDA graphs
     speculative: Path | None = None  # a draft folder (config.json + heads) to propose tokens with
-    # the draft's shape, None: the method's default (proposers.DEFAULT_SHAPES)
+    # the draft's shape, None: the method's default (speculative.shape.DEFAULT_SHAPES)
     num_speculative_tokens: int | None = None  # draft depth
     speculative_tree_nodes: int | None = None  # verify a tree of this many nodes, the most probable paths; 0: a chain
     speculative_min_confidence: float | None = None  # verify only draft nodes whose path the draft finds at least this probable

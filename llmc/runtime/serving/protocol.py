@@ -4,6 +4,8 @@ from pydantic import BaseModel, ConfigDict, Field
 from llmc.errors import LlmcError
 from llmc.runtime.sampling_params import SamplingParams
 
+COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
+
 
 class SamplingRequest(BaseModel):
     model_config = ConfigDict(extra="ignore")
@@ -21,7 +23,15 @@ class SamplingRequest(BaseModel):
     stream: bool = False
     stream_options: dict | None = None
 
-    def sampling_params(self, default_max_tokens: int, logprobs: int | None) -> list[SamplingParams]:
+    def resolved_max_tokens(self, prompt_len: int, max_model_len: int) -> int:
+        """The most tokens to generate: max_tokens, else what the context leaves after the prompt."""
+        return self.max_tokens or max(1, max_model_len - prompt_len)
+
+    def num_logprobs(self) -> int | None:
+        """Top alternatives to return with each sampled token's logprob; None: no logprobs at all."""
+        return None
+
+    def sampling_params(self, prompt_len: int, max_model_len: int) -> list[SamplingParams]:
         """One per choice. With a seed, choice i samples from seed + i: the same request gives the same choices
         again, and its choices differ from each other."""
         return [
@@ -30,11 +40,11 @@ class SamplingRequest(BaseModel):
                 top_p=self.top_p,
                 top_k=self.top_k,
                 seed=None if self.seed is None else self.seed + choice,
-                max_tokens=self.max_tokens or default_max_tokens,
+                max_tokens=self.resolved_max_tokens(prompt_len, max_model_len),
                 stop=[self.stop] if isinstance(self.stop, str) else list(self.stop or []),
                 stop_token_ids=self.stop_token_ids,
                 ignore_eos=self.ignore_eos,
-                logprobs=logprobs,
+                logprobs=self.num_logprobs(),
             )
             for choice in range(self.n)
         ]
@@ -46,9 +56,15 @@ class SamplingRequest(BaseModel):
 
 class CompletionRequest(SamplingRequest):
     prompt: str | list[str] | list[int] | list[list[int]]
-    max_tokens: int | None = Field(default=16, ge=1)
+    max_tokens: int | None = Field(default=COMPLETION_MAX_TOKENS, ge=1)
     logprobs: int | None = Field(default=None, ge=0, le=20)
     echo: bool = False
+
+    def resolved_max_tokens(self, prompt_len: int, max_model_len: int) -> int:
+        return self.max_tokens or COMPLETION_MAX_TOKENS  # an explicit null gets the default too
+
+    def num_logprobs(self) -> int | None:
+        return self.logprobs
 
     def prompts(self) -> list[str | list[int]]:
         if self.echo:
@@ -73,6 +89,12 @@ class ChatCompletionRequest(SamplingRequest):
     max_completion_tokens: int | None = Field(default=None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
+
+    def resolved_max_tokens(self, prompt_len: int, max_model_len: int) -> int:
+        return self.max_completion_tokens or super().resolved_max_tokens(prompt_len, max_model_len)
+
+    def num_logprobs(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
 
     def conversation(self) -> list[dict]:
         def text(content: str | list[dict] | None) -> str:

@@ -15,19 +15,9 @@ from llmc.runtime.models.llama import LlamaForCausalLM
 from llmc.runtime.speculative.draft_weights import int8_linear, with_int8_linears
 from llmc.runtime.speculative.eagle import EagleDraft
 from llmc.runtime.speculative.medusa import MedusaHeads
+from llmc.runtime.speculative.shape import DEFAULT_SHAPES
 
 TREE_TOP_K = 4  # tokens expanded per node, and paths kept per level, when drafting a tree (more for trees past 4 x depth)
-
-
-@dataclass(frozen=True, slots=True)
-class DraftShape:
-    depth: int | None  # None: one level per Medusa head
-    num_nodes: int  # 0: a chain
-    min_confidence: float
-
-
-# the shapes that decode fastest at batch 1 on SmolLM2 (README, Benchmarks: benchmarks/speculative_shapes.py)
-DEFAULT_SHAPES = {"medusa": DraftShape(None, 7, 0.0), "eagle": DraftShape(4, 7, 0.3)}
 
 
 @dataclass(slots=True)

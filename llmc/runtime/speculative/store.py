@@ -42,3 +42,14 @@ def load_draft(folder: Path, dtype: torch.dtype, device: str) -> tuple[dict, nn.
         raise LlmcError(f"{folder}: unknown draft method {config.get('method')!r}")
     heads.load_state_dict(load_file(folder / WEIGHTS))
     return config, heads.to(device, dtype).eval()
+
+
+def draft_folder(model: str, speculative: str) -> Path | None:
+    """The draft a command decodes with: `auto` is MODEL/draft when MODEL is an artifact with heads, `off` none,
+    anything else the folder given."""
+    if speculative == "off":
+        return None
+    if speculative == "auto":
+        folder = Path(model) / DRAFT_DIR
+        return folder if (folder / "config.json").is_file() else None
+    return Path(speculative)

@@ -1,6 +1,6 @@
-"""Load benchmark with vLLM's definitions: TTFT (arrival to first token), TPOT ((latency - TTFT) / (tokens - 1)),
-ITL (every gap between streamed chunks), throughput over the whole run; against a URL or an in-process engine,
-optionally side by side with transformers `generate` run one request at a time."""
+"""Load generation and its measures, with vLLM's definitions: TTFT (arrival to first token), TPOT ((latency - TTFT)
+/ (tokens - 1)), ITL (every gap between streamed chunks), throughput over the whole run; against a URL or an
+in-process engine."""
 import asyncio
 import json
 import random
@@ -10,8 +10,8 @@ from dataclasses import dataclass, field
 
 import httpx
 import numpy as np
-import torch
 
+from llmc.bench.kv_sampler import KvSampler
 from llmc.errors import LlmcError
 from llmc.runtime.sampling_params import SamplingParams
 from llmc.runtime.serving.async_engine import AsyncLLMEngine
@@ -119,72 +119,6 @@ def summarize(results: list[RequestResult], duration: float) -> dict:
         "ttft_first_ms": results[0].ttft * 1e3,
         "ttft_later_p50_ms": float(np.median([r.ttft for r in results[1:]])) * 1e3 if len(results) > 1 else None,
     }
-
-
-def hf_baseline(model: str, prompts: list[str], max_tokens: int) -> dict:
-    """transformers `generate` in float32 on the same (dequantized) weights, one request at a time."""
-    from transformers.generation.streamers import BaseStreamer
-
-    from llmc.evals.loading import load_model
-
-    loaded = load_model(model, torch.float32)
-
-    class Timestamps(BaseStreamer):
-        def __init__(self):
-            self.times: list[float] = []
-
-        def put(self, value):
-            self.times.append(time.perf_counter())
-
-        def end(self):
-            pass
-
-    results, start = [], time.perf_counter()
-    for prompt in prompts:
-        ids = torch.tensor([loaded.tokenizer.encode(prompt, add_special_tokens=False)])
-        stamps, begin = Timestamps(), time.perf_counter()
-        with torch.inference_mode():
-            loaded.model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_tokens,
-                                  min_new_tokens=max_tokens, do_sample=False, streamer=stamps)
-        token_times = stamps.times[1:]  # the first put() is the prompt
-        results.append(RequestResult(ids.shape[1], len(token_times), token_times[0] - begin, token_times[-1] - begin,
-                                     list(np.diff(token_times))))
-    return summarize(results, time.perf_counter() - start)
-
-
-class KvSampler:
-    """Polls the in-process engine: peak KV usage, and at that peak, tokens held ÷ slots of the blocks in use."""
-
-    def __init__(self, engine: AsyncLLMEngine):
-        self.llm = engine.engine
-        self.peak_blocks = 0
-        self.occupancy_at_peak = 0.0
-
-    async def run(self) -> None:
-        manager = self.llm.block_manager
-        while True:
-            used = manager.num_used_blocks
-            if used > self.peak_blocks:
-                self.peak_blocks, self.occupancy_at_peak = used, self._occupancy()
-            await asyncio.sleep(0.01)
-
-    def _occupancy(self) -> float:
-        """Tokens ÷ slots over the blocks running sequences hold (a shared prefix block counts once). Counted from
-        the sequence's length, not its computed tokens: the sampler runs beside the engine thread and may look
-        between a step's block allocation and its forward."""
-        block_size = self.llm.block_manager.block_size
-        filled: dict[int, int] = {}
-        for seq in list(self.llm.scheduler.running):
-            for index, block_id in enumerate(list(seq.block_table)):
-                tokens = min(block_size, max(0, len(seq) - index * block_size))
-                filled[block_id] = max(filled.get(block_id, 0), tokens)
-        return sum(filled.values()) / (len(filled) * block_size) if filled else 0.0
-
-    def report(self) -> dict:
-        manager = self.llm.block_manager
-        return {"kv_blocks_total": manager.num_blocks, "kv_peak_blocks_used": self.peak_blocks,
-                "kv_peak_usage": self.peak_blocks / manager.num_blocks, "kv_token_occupancy_at_peak": self.occupancy_at_peak,
-                "leaked_blocks": manager.num_used_blocks, "preemptions": self.llm.scheduler.num_preemptions}
 
 
 async def bench_engine(engine: AsyncLLMEngine, prompts: list[str], **load) -> dict:
