@@ -57,7 +57,9 @@ def draft_vocabulary(answers: list[torch.Tensor], vocab_size: int) -> tuple[torc
     return vocab, to_vocab
 
 
-def medusa_rows(seqs: list[tuple[list[int], torch.Tensor, int]], to_vocab: torch.Tensor, num_heads: int) -> tuple[torch.Tensor, torch.Tensor]:
+def medusa_rows(
+    seqs: list[tuple[list[int], torch.Tensor, int]], to_vocab: torch.Tensor, num_heads: int
+) -> tuple[torch.Tensor, torch.Tensor]:
     """The answer positions' features [N, hidden] and what each head must guess there [N, num_heads], as draft
     vocabulary indices (OUT_OF_VOCAB: a token no head can guess, -100: past the answer's end)."""
     hidden = torch.cat([h[start - 1 :] for _, h, start in seqs])

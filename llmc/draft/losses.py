@@ -26,7 +26,9 @@ def medusa_loss(heads: MedusaHeads, hidden: torch.Tensor, labels: torch.Tensor) 
     return sum(LOSS_DECAY**k * loss for k, loss in enumerate(losses))
 
 
-def unrolled(draft: EagleDraft, features: torch.Tensor, embeddings: torch.Tensor, positions: torch.Tensor, unroll: int) -> list[torch.Tensor]:
+def unrolled(
+    draft: EagleDraft, features: torch.Tensor, embeddings: torch.Tensor, positions: torch.Tensor, unroll: int
+) -> list[torch.Tensor]:
     """Windows of `tokens` pairs drafted `unroll` steps deep as in serving (EAGLE-3's training-time test): step
     s > 0 feeds the features step s - 1 predicted back in with the tokens after them, attending to the true
     pairs before it and to its own chain of guesses. features [batch, tokens, hidden], embeddings [batch,
@@ -45,7 +47,7 @@ def unrolled(draft: EagleDraft, features: torch.Tensor, embeddings: torch.Tensor
 
 
 def eagle_loss(draft: EagleDraft, features: torch.Tensor, embeddings: torch.Tensor, positions: torch.Tensor, labels: torch.Tensor,
-         lm_head: torch.Tensor, noise_scale: float, unroll: int) -> torch.Tensor:
+               lm_head: torch.Tensor, noise_scale: float, unroll: int) -> torch.Tensor:
     """`unrolled` on noisy features, each step's feature regression plus token loss averaged. features [batch,
     tokens + unroll, hidden] the target's, labels [batch, tokens + unroll - 1] the token after each next
     feature as an index into lm_head (-100: no loss, OUT_OF_VOCAB: the feature loss only), lm_head [vocab,

@@ -25,7 +25,7 @@ class TrainConfig:
     grad_clip: float = 1.0
     checkpoint_every: int = 50
     seed: int = 0
-    # the loss computed under bfloat16 autocast (about 2x on a CPU with bfloat16 matmuls, far slower on one without);
+    # the loss computed under bfloat16 autocast (faster on a CPU with bfloat16 matmuls, far slower on one without);
     # weights and moments stay float32
     mixed_precision: bool = field(default_factory=lambda: native_bfloat16("cpu"))
 

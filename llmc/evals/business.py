@@ -46,7 +46,8 @@ def run_business(generator: Generator, items: list[BusinessItem], label: str = "
     for start in tqdm(range(0, len(generated), BATCH_SIZE), desc=f"{label} (generate)", unit="batch"):
         batch = generated[start : start + BATCH_SIZE]
         outputs = generator.generate([GenerationRequest(item.prompt_messages, item.max_tokens) for item in batch])
-        results |= {item.id: ItemResult(item.id, item.tags, item.metric, output, score(item, output)) for item, output in zip(batch, outputs)}
+        results |= {item.id: ItemResult(item.id, item.tags, item.metric, output, score(item, output))
+                    for item, output in zip(batch, outputs)}
     return BusinessResult([results[item.id] for item in items])
 
 

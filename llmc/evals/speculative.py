@@ -16,7 +16,7 @@ from llmc.prompts import distinct_prompts
 from llmc.runtime.engine.config import EngineConfig
 from llmc.runtime.llm_engine import LLMEngine
 from llmc.runtime.sampling_params import SamplingParams
-from llmc.runtime.speculative.stats import SpecStats
+from llmc.runtime.speculative.stats import SpeculativeStats
 from llmc.runtime.speculative.store import draft_folder
 
 CONCURRENCY_ROUNDS = 3  # the engines take turns, so that a slow spell of the machine falls on each of them
@@ -39,7 +39,7 @@ def speculative_eval(model: str, draft: Path, prompts: list[str], max_tokens: in
     for engine in (plain, speculative, served):  # warm-up
         engine.generate(prompts[:1], SamplingParams(temperature=0, max_tokens=8))
     speculator = speculative.runner.speculator
-    stats = speculator.stats = SpecStats(speculator.num_tokens)
+    stats = speculator.stats = SpeculativeStats(speculator.num_tokens)
     plain_s = speculative_s = served_s = 0.0
     num_tokens = num_identical = 0
     for prompt in prompts:

@@ -54,9 +54,10 @@ def upper_cholesky_of_inverse(hessian: torch.Tensor, dampening_frac: float, name
                 upper, info = torch.linalg.cholesky_ex(torch.cholesky_inverse(lower), upper=True)
                 if info == 0 and torch.isfinite(upper).all():
                     return upper
-            warnings.warn(f"{name}: Hessian not positive definite with dampening {fraction:g}; retrying with {fraction * 10:g}")
+            warnings.warn(f"{name}: Hessian not positive definite with dampening {fraction:g}; retrying with {fraction * 10:g}",
+                          stacklevel=2)
             fraction *= 10
-    warnings.warn(f"{name}: no usable Hessian; quantizing it by round-to-nearest")
+    warnings.warn(f"{name}: no usable Hessian; quantizing it by round-to-nearest", stacklevel=2)
     return eye
 
 
@@ -79,7 +80,9 @@ def gptq_quantize(
     hessian[dead, dead] = 1
     grouped = args.strategy == "group"
     # channel and tensor scales, and groups under static act-order, are fixed from the original weight
-    fixed = compute_qparams(*observe_range(work, args, scale_dtype), args, scale_dtype) if not grouped or args.actorder == "static" else None
+    fixed = None
+    if not grouped or args.actorder == "static":
+        fixed = compute_qparams(*observe_range(work, args, scale_dtype), args, scale_dtype)
     order = torch.argsort(torch.diagonal(hessian), descending=True) if args.actorder else torch.arange(columns)
     work, hessian = work[:, order], hessian[order][:, order]
     upper = upper_cholesky_of_inverse(hessian, dampening_frac, name)

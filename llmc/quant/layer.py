@@ -32,7 +32,7 @@ def parameters_in(module: nn.Module, dtype: torch.dtype):
 
 class LayerRunner:
     """Runs one decoder layer (or a module of it) over all calibration samples, in batches, with the model's own
-    attention. With a bfloat16 compute dtype the forward passes run in bfloat16 (about 2.3x faster on CPU) and
+    attention. With a bfloat16 compute dtype the forward passes run in bfloat16 (faster on CPU) and
     their outputs come back as float32."""
 
     def __init__(self, skeleton: nn.Module, config, seq_len: int, batch_size: int = 8, compute_dtype=COMPUTE_DTYPE):

@@ -42,7 +42,8 @@ class LLMEngine:
         config = config or EngineConfig()
         folder = resolve_model(str(model))
         tokenizer = AutoTokenizer.from_pretrained(folder)
-        runner = ModelRunner(AutoConfig.from_pretrained(folder), WeightLoader(folder, config.dtype, config.device, config.dense_weights), config)
+        weights = WeightLoader(folder, config.dtype, config.device, config.dense_weights)
+        runner = ModelRunner(AutoConfig.from_pretrained(folder), weights, config)
         self._start(str(model), runner, tokenizer, config, eos_token_ids(tokenizer, folder))
 
     @classmethod

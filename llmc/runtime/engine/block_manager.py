@@ -1,6 +1,7 @@
 from collections import OrderedDict
 from dataclasses import dataclass
 
+from llmc.runtime.cdiv import cdiv
 from llmc.runtime.engine.sequence import Sequence
 
 
@@ -71,7 +72,7 @@ class BlockManager:
 
     def ensure_blocks(self, seq: Sequence, num_tokens: int) -> bool:
         """Grow the block table to hold num_tokens; False if too few blocks are free."""
-        num_needed = (num_tokens + self.block_size - 1) // self.block_size - len(seq.block_table)
+        num_needed = cdiv(num_tokens, self.block_size) - len(seq.block_table)
         if num_needed > self.num_free_blocks:
             return False
         seq.block_table += [self._take_free_block() for _ in range(num_needed)]

@@ -15,7 +15,7 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     dtype: torch.dtype = torch.bfloat16  # float32 runs the exact path (dense matmuls), bfloat16 the int4 kernels
     # weight-only quantized weights dequantized at load onto dense matmuls: the same weights, at other rounding than
-    # the serving kernels; on CPU faster at many rows a step (torch's int4 kernel takes 6x as long at 64 rows, 10x at 512)
+    # the serving kernels; on CPU faster at many rows a step, where the time of torch's int4 kernel grows with the rows
     dense_weights: bool = False
     device: str = "cpu"
     # every sequence keeps the final hidden state (float32) of each token it computes, in Sequence.hidden_states:
@@ -32,8 +32,8 @@ class EngineConfig:
 
 
 def native_bfloat16(device: str) -> bool:
-    """Whether bfloat16 matmuls run in hardware. A CPU without AVX-512 BF16 or AMX has torch emulate them: on such
-    a machine (AVX2) a 256 x 576 x 8192 matmul took 4x float32's time forward and up to 80x backward."""
+    """Whether bfloat16 matmuls run in hardware. A CPU without AVX-512 BF16 or AMX has torch emulate them, at several
+    times float32's cost (README, Draft heads)."""
     if device.startswith("cuda"):
         return True
     return torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()

@@ -5,6 +5,7 @@ from typing import Protocol
 import torch
 
 from llmc.errors import LlmcError
+from llmc.runtime.cdiv import cdiv
 from llmc.runtime.engine.config import EngineConfig
 from llmc.runtime.engine.cuda_graphs import DecodeGraphs
 from llmc.runtime.engine.sequence import Sequence
@@ -40,7 +41,7 @@ class ModelRunner:
         head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // hf_config.num_attention_heads
         kv_dtype = weights.kv_cache_dtype
         block_bytes = 2 * num_layers * config.block_size * num_kv_heads * head_dim * kv_dtype.itemsize
-        blocks_per_seq = -(-hf_config.max_position_embeddings // config.block_size)
+        blocks_per_seq = cdiv(hf_config.max_position_embeddings, config.block_size)
         self.num_blocks = config.num_kv_blocks or min(int(config.kv_cache_gib * 2**30 // block_bytes), config.max_num_seqs * blocks_per_seq)
         self.max_model_len = min(
             config.max_model_len or hf_config.max_position_embeddings,
@@ -69,7 +70,7 @@ class ModelRunner:
         self.speculator: Speculator | None = None  # LLMEngine attaches one when the config names a draft
         self.graphs = None
         if use_graphs:
-            max_blocks = -(-self.max_model_len // config.block_size)
+            max_blocks = cdiv(self.max_model_len, config.block_size)
             self.graphs = DecodeGraphs(self.model, config.max_num_seqs, max_blocks, self.num_blocks * config.block_size, config.device)
         logger.info("KV cache: %d blocks of %d tokens; max model length %d", self.num_blocks, self.block_size, self.max_model_len)
 
@@ -143,7 +144,7 @@ class ModelRunner:
 
     def _block_slots(self, seq: Sequence, num_positions: int) -> torch.Tensor:
         """Every cache slot of the blocks holding the first num_positions positions; the tail past them is masked."""
-        blocks = torch.tensor(seq.block_table[: -(-num_positions // self.block_size)], device=self.device)
+        blocks = torch.tensor(seq.block_table[: cdiv(num_positions, self.block_size)], device=self.device)
         return (blocks[:, None] * self.block_size + torch.arange(self.block_size, device=self.device)).flatten()
 
     def slots(self, seq: Sequence, positions: list[int]) -> list[int]:

@@ -4,6 +4,7 @@ from enum import Enum, auto
 
 import torch
 
+from llmc.runtime.cdiv import cdiv
 from llmc.runtime.engine.draft_tree import DraftTree
 from llmc.runtime.sampling_params import SamplingParams
 
@@ -56,7 +57,7 @@ class Sequence:
 
     @property
     def num_blocks(self) -> int:
-        return (len(self.token_ids) + self.block_size - 1) // self.block_size
+        return cdiv(len(self.token_ids), self.block_size)
 
     def block(self, index: int) -> list[int]:
         return self.token_ids[index * self.block_size : (index + 1) * self.block_size]

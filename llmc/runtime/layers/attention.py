@@ -8,6 +8,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from llmc.quant.qtypes import QuantArgs, dequantize_columns, quantize_columns
+from llmc.runtime.cdiv import cdiv
 
 FP8_KV = QuantArgs(num_bits=8, type="float", strategy="channel")
 
@@ -71,7 +72,7 @@ def decode_attention_reference(
 
 def decode_buckets(block_tables: torch.Tensor, context_lens: torch.Tensor, block_size: int) -> list[DecodeRows]:
     """One query per sequence, bucketed by the number of blocks it reads; the same for every layer of a step."""
-    num_blocks = (context_lens + block_size - 1) // block_size
+    num_blocks = cdiv(context_lens, block_size)
     buckets = []
     for count in num_blocks.unique().tolist():
         rows = (num_blocks == count).nonzero().flatten()
@@ -102,7 +103,9 @@ def read_rows(flat_cache: torch.Tensor, slots: torch.Tensor, kv_scale: torch.Ten
     return gathered.copy_(states.transpose(1, 2))
 
 
-def attend_gathered(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, context_lens: torch.Tensor, scale: float) -> torch.Tensor:
+def attend_gathered(
+    query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, context_lens: torch.Tensor, scale: float
+) -> torch.Tensor:
     """query [num_seqs, heads, head_dim] over float32 keys/values [num_seqs, kv_heads, max_len, head_dim], the first
     context_len of each."""
     num_seqs, num_heads, head_dim = query.shape
@@ -162,7 +165,7 @@ class PagedAttention(nn.Module):
         for index in range(num_decodes, len(metadata.query_lens)):
             end = start + metadata.query_lens[index]
             context_len = metadata.seq_lens[index]
-            num_blocks = (context_len + self.k_cache.shape[1] - 1) // self.k_cache.shape[1]
+            num_blocks = cdiv(context_len, self.k_cache.shape[1])
             block_table = metadata.block_tables[index, :num_blocks]
             outputs.append(prefill_attention_reference(
                 q[start:end], self.k_cache, self.v_cache, block_table, context_len, self.scale, self.k_scale, self.v_scale,

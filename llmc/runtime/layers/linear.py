@@ -100,7 +100,8 @@ class Int8CpuLinear(nn.Module):
         return out if self.bias is None else out + self.bias
 
 
-KERNELS: list[type[nn.Module]] = [QuantizedInputLinear, Int4TritonLinear, Int4CpuLinear, Int8CpuLinear, DenseLinear]  # by priority; DenseLinear takes anything
+# by priority; DenseLinear takes anything
+KERNELS: list[type[nn.Module]] = [QuantizedInputLinear, Int4TritonLinear, Int4CpuLinear, Int8CpuLinear, DenseLinear]
 
 
 def build_linear(parts: list[LinearWeight], dtype: torch.dtype, device: str, dense: bool = False) -> nn.Module:

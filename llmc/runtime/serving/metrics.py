@@ -3,7 +3,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from llmc.runtime.llm_engine import LLMEngine
-from llmc.runtime.speculative.stats import SpecStats
+from llmc.runtime.speculative.stats import SpeculativeStats
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
 
@@ -16,11 +16,13 @@ class EngineCollector:
         scheduler, blocks = self.engine.scheduler, self.engine.block_manager
         yield GaugeMetricFamily("llmc:num_requests_running", "Requests in the running batch.", value=len(scheduler.running))
         yield GaugeMetricFamily("llmc:num_requests_waiting", "Requests waiting for KV blocks.", value=len(scheduler.waiting))
-        yield GaugeMetricFamily("llmc:kv_cache_usage_perc", "Fraction of KV blocks in use.", value=blocks.num_used_blocks / blocks.num_blocks)
+        usage = blocks.num_used_blocks / blocks.num_blocks
+        yield GaugeMetricFamily("llmc:kv_cache_usage_perc", "Fraction of KV blocks in use.", value=usage)
         queries, hits = blocks.num_prefix_query_tokens, blocks.num_prefix_hit_tokens
         yield CounterMetricFamily("llmc:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", value=queries)
         yield CounterMetricFamily("llmc:prefix_cache_hits", "Prompt tokens found in the prefix cache.", value=hits)
-        yield GaugeMetricFamily("llmc:prefix_cache_hit_rate", "Prefix-cache hits / queries, in tokens.", value=hits / queries if queries else 0.0)
+        hit_rate = hits / queries if queries else 0.0
+        yield GaugeMetricFamily("llmc:prefix_cache_hit_rate", "Prefix-cache hits / queries, in tokens.", value=hit_rate)
         yield CounterMetricFamily("llmc:num_preemptions", "Sequences preempted for lack of KV blocks.", value=scheduler.num_preemptions)
         finished = CounterMetricFamily("llmc:request_success", "Finished requests.", labels=["finished_reason"])
         for reason in ("stop", "length", "abort"):
@@ -29,7 +31,7 @@ class EngineCollector:
         if self.engine.runner.speculator is not None:
             yield from self.collect_speculative(self.engine.runner.speculator.stats)
 
-    def collect_speculative(self, stats: SpecStats):
+    def collect_speculative(self, stats: SpeculativeStats):
         yield CounterMetricFamily("llmc:spec_decode_num_drafts", "Verification steps with draft tokens.", value=stats.num_drafts)
         yield CounterMetricFamily("llmc:spec_decode_num_draft_tokens", "Draft tokens proposed.", value=stats.num_draft_tokens)
         yield CounterMetricFamily("llmc:spec_decode_num_accepted_tokens", "Draft tokens accepted.", value=stats.num_accepted_tokens)

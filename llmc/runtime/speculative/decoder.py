@@ -14,7 +14,7 @@ from llmc.runtime.layers.sampler import SampledToken, greedy_tokens, sampled_tok
 from llmc.runtime.speculative.acceptance import greedy_accept, rejection_sample
 from llmc.runtime.speculative.governor import DraftGovernor
 from llmc.runtime.speculative.proposers import Observed, build_proposer
-from llmc.runtime.speculative.stats import SpecStats
+from llmc.runtime.speculative.stats import SpeculativeStats
 from llmc.runtime.speculative.store import load_draft
 
 
@@ -23,7 +23,8 @@ class SpeculativeDecoder:
         # as stored: build_proposer quantizes the weights it serves as int8 from them, then casts the rest
         self.draft_config, heads = load_draft(folder, torch.float32, "cpu")
         if self.draft_config["hidden_size"] != runner.hf_config.hidden_size:
-            raise LlmcError(f"{folder} was trained for hidden size {self.draft_config['hidden_size']}, this model has {runner.hf_config.hidden_size}")
+            raise LlmcError(f"{folder} was trained for hidden size {self.draft_config['hidden_size']}, "
+                            f"this model has {runner.hf_config.hidden_size}")
         self.proposer = build_proposer(self.draft_config, heads, runner.model, config)
         self.num_tokens = self.proposer.max_depth
         self.max_num_seqs = config.speculative_max_num_seqs
@@ -32,7 +33,7 @@ class SpeculativeDecoder:
         # [2, layers, slots, kv_heads, head_dim] as bytes: moving entries needs no float8 copy kernel
         self.kv_slots = runner.kv_cache.flatten(2, 3).view(torch.uint8)
         self.compute_logits = runner.model.compute_logits
-        self.stats = SpecStats(self.num_tokens)
+        self.stats = SpeculativeStats(self.num_tokens)
         self.governor = DraftGovernor() if config.adaptive_speculation else None
         self.drafting_seconds = 0.0  # spent drafting the trees the next step verifies
         self.drafting = False  # whether the trees the next step verifies were drafted (empty when the draft was unsure)
@@ -61,7 +62,8 @@ class SpeculativeDecoder:
         for seq, start, end in chunks:
             if seq not in outputs:  # a prefill chunk that does not reach the last token
                 first = seq.num_computed_tokens + 1
-                observed.append(Observed(seq, seq.num_computed_tokens, hidden[start:end], seq.token_ids[first : first + end - start], False))
+                next_token_ids = seq.token_ids[first : first + end - start]
+                observed.append(Observed(seq, seq.num_computed_tokens, hidden[start:end], next_token_ids, False))
         proposing = time.perf_counter()
         self.drafting = self._propose(observed, outputs)
         finished = time.perf_counter()

@@ -8,6 +8,7 @@ import torch
 from torch import nn
 
 from llmc.errors import LlmcError
+from llmc.runtime.cdiv import cdiv
 from llmc.runtime.engine.config import EngineConfig
 from llmc.runtime.engine.draft_tree import ROOT, DraftTree
 from llmc.runtime.engine.sequence import Sequence
@@ -126,7 +127,8 @@ class EagleProposer:
         return trees
 
     def _commit(self, item: Observed) -> EagleCache:
-        empty = torch.empty(1, 0, self.draft.shape.num_kv_heads, self.draft.head_dim, dtype=item.features.dtype, device=item.features.device)
+        like = item.features
+        empty = torch.empty(1, 0, self.draft.shape.num_kv_heads, self.draft.head_dim, dtype=like.dtype, device=like.device)
         cache = self.caches.setdefault(item.seq, EagleCache(empty, empty, item.first_position))
         skip = max(0, cache.next_position - item.first_position)  # recomputed after a preemption: already in
         features, token_ids = item.features[skip:], item.next_token_ids[skip : len(item.features)]
@@ -207,7 +209,7 @@ def build_proposer(draft_config: dict, heads: nn.Module, model: LlamaForCausalLM
     num_nodes = max(default.num_nodes if config.speculative_tree_nodes is None else config.speculative_tree_nodes, depth)
     min_confidence = default.min_confidence if config.speculative_min_confidence is None else config.speculative_min_confidence
     min_score = math.log(min_confidence) if min_confidence > 0 else -math.inf  # a path's log-probability
-    top_k = max(TREE_TOP_K, -(-num_nodes // depth)) if num_nodes > depth else 1  # each level keeps top_k paths: enough to fill
+    top_k = max(TREE_TOP_K, cdiv(num_nodes, depth)) if num_nodes > depth else 1  # each level keeps top_k paths: enough to fill
     heads = with_int8_linears(heads, config.dtype, config.device).to(config.device, config.dtype)
     if draft_config["method"] == "medusa":
         return MedusaProposer(heads, depth, num_nodes, top_k, min_score)

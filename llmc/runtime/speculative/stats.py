@@ -3,7 +3,7 @@ from dataclasses import dataclass, field
 
 
 @dataclass
-class SpecStats:
+class SpeculativeStats:
     """Counters named like vLLM's spec-decode metrics; an accepted length counts the bonus token."""
 
     num_positions: int

@@ -1,0 +1,123 @@
+"""OpenAI response bodies from engine outputs: completion and chat choices with their logprobs and usage, whole
+or as server-sent events with several choices streamed side by side."""
+import asyncio
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable
+from contextlib import aclosing
+
+from llmc.runtime.layers.sampler import SampledToken
+from llmc.runtime.llm_engine import RequestOutput
+
+
+async def merged(streams: list[AsyncIterator[RequestOutput]]) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """The outputs of several streams as they come, each with its stream's index. Leaving early (a client gone)
+    cancels the streams still running, which aborts their requests."""
+    arrivals: asyncio.Queue[tuple[int, RequestOutput | None]] = asyncio.Queue()
+
+    async def forward(index: int, stream: AsyncIterator[RequestOutput]) -> None:
+        try:
+            async for output in stream:
+                arrivals.put_nowait((index, output))
+        finally:
+            arrivals.put_nowait((index, None))
+
+    tasks = [asyncio.create_task(forward(index, stream)) for index, stream in enumerate(streams)]
+    try:
+        num_running = len(tasks)
+        while num_running:
+            index, output = await arrivals.get()
+            if output is None:
+                num_running -= 1
+                tasks[index].result()  # a stream that failed fails the response
+            else:
+                yield index, output
+    finally:
+        for task in tasks:
+            task.cancel()
+
+
+
+Decode = Callable[[list[int]], str]
+
+
+
+def chat_logprobs(tokens: list[SampledToken], decode: Decode) -> dict:
+    return {"content": [
+        {"token": decode([t.token_id]), "logprob": t.logprob, "bytes": None,
+         "top_logprobs": [{"token": decode([i]), "logprob": lp, "bytes": None} for i, lp in t.top_logprobs.items()]}
+        for t in tokens
+    ]}
+
+
+
+def completion_logprobs(tokens: list[SampledToken], decode: Decode) -> dict:
+    return {
+        "tokens": [decode([t.token_id]) for t in tokens],
+        "token_logprobs": [t.logprob for t in tokens],
+        "top_logprobs": [{decode([i]): lp for i, lp in t.top_logprobs.items()} for t in tokens],
+    }
+
+
+
+def logprobs_of(outputs: list[RequestOutput], decode: Decode, chat: bool) -> dict | None:
+    tokens = [token for output in outputs for token in output.new_logprobs]
+    if not tokens:
+        return None
+    return chat_logprobs(tokens, decode) if chat else completion_logprobs(tokens, decode)
+
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens, "total_tokens": prompt_tokens + completion_tokens}
+
+
+
+def choice(index: int, outputs: list[RequestOutput], decode: Decode, chat: bool, delta: bool) -> dict:
+    text = "".join(output.new_text for output in outputs)
+    finish_reason = outputs[-1].finish_reason if outputs else None
+    entry = {"index": index, "finish_reason": finish_reason, "logprobs": logprobs_of(outputs, decode, chat)}
+    if not chat:
+        entry["text"] = text
+    elif delta:
+        entry["delta"] = {"content": text} if text or not finish_reason else {}
+    else:
+        entry["message"] = {"role": "assistant", "content": text}
+    return entry
+
+
+
+def response_header(model_name: str, chat: bool, stream: bool) -> dict:
+    kind = ("chat.completion.chunk" if stream else "chat.completion") if chat else "text_completion"
+    response_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+    return {"id": response_id, "object": kind, "created": int(time.time()), "model": model_name}
+
+
+
+def event(payload: dict) -> str:
+    return f"data: {json.dumps(payload)}\n\n"
+
+
+
+async def sse(header: dict, streams: list[AsyncIterator[RequestOutput]], decode: Decode, prompt_tokens: int, chat: bool,
+              include_usage: bool) -> AsyncIterator[str]:
+    if chat:
+        opening = [{"index": index, "delta": {"role": "assistant", "content": ""}, "finish_reason": None, "logprobs": None}
+                   for index in range(len(streams))]
+        yield event(header | {"choices": opening})
+    completion_tokens = 0
+    async with aclosing(merged(streams)) as outputs:  # a client gone closes this generator: stop the requests now
+        async for index, output in outputs:
+            completion_tokens += len(output.new_token_ids)
+            yield event(header | {"choices": [choice(index, [output], decode, chat, delta=True)]})
+    if include_usage:
+        yield event(header | {"choices": [], "usage": usage(prompt_tokens, completion_tokens)})
+    yield "data: [DONE]\n\n"
+
+
+
+def completed(header: dict, results: list[list[RequestOutput]], decode: Decode, prompt_tokens: int, chat: bool) -> dict:
+    choices = [choice(index, outputs, decode, chat, delta=False) for index, outputs in enumerate(results)]
+    completion_tokens = sum(len(output.new_token_ids) for outputs in results for output in outputs)
+    return header | {"choices": choices, "usage": usage(prompt_tokens, completion_tokens)}
