@@ -7,7 +7,6 @@ throughput at a concurrency of 64. Every (model, format) runs on its own, so one
     python benchmarks/gpu_bench.py --device cpu --smoke  # the same code path, SmolLM2-shaped and tiny, on CPU
 """
 import argparse
-import gc
 import json
 import math
 import subprocess
@@ -20,6 +19,7 @@ import torch
 from transformers import LlamaConfig
 
 from llmc.quant.qtypes import QuantArgs, QuantizedWeight
+from llmc.runtime.cdiv import cdiv
 from llmc.runtime.engine.config import EngineConfig
 from llmc.runtime.engine.model_runner import ModelRunner
 from llmc.runtime.layers.linear import build_linear
@@ -161,7 +161,7 @@ def build_engine(model: str, fmt: Format, sizes: Sizes, dtype: torch.dtype, devi
     context = sizes.prompt_len + sizes.new_tokens
     engine_config = EngineConfig(
         dtype=dtype, device=device, max_num_seqs=sizes.concurrency, max_model_len=context + 16, max_num_batched_tokens=2048,
-        num_kv_blocks=sizes.concurrency * (-(-context // 16) + 1), enable_prefix_caching=False, enforce_eager=enforce_eager,
+        num_kv_blocks=sizes.concurrency * (cdiv(context, 16) + 1), enable_prefix_caching=False, enforce_eager=enforce_eager,
     )
     torch.manual_seed(0)
     runner = ModelRunner(config, RandomWeights(config, fmt, dtype, device), engine_config)

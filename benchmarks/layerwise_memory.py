@@ -6,7 +6,6 @@ process. The layer-by-layer driver should keep peak RSS nearly flat: goal 32 lay
 """
 import argparse
 import json
-import resource
 import subprocess
 import sys
 import tempfile

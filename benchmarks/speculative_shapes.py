@@ -17,7 +17,7 @@ from llmc.prompts import distinct_prompts
 from llmc.runtime.engine.config import EngineConfig
 from llmc.runtime.llm_engine import LLMEngine
 from llmc.runtime.sampling_params import SamplingParams
-from llmc.runtime.speculative.stats import SpecStats
+from llmc.runtime.speculative.stats import SpeculativeStats
 
 ROOT = Path(__file__).resolve().parents[1]
 MT_BENCH = ROOT.parent / "shared" / "data" / "mt_bench" / "question.jsonl"
@@ -65,7 +65,7 @@ def main() -> None:
         engine.generate(prompts[:1], SamplingParams(temperature=0, max_tokens=8))
     for run in runs:  # count from here: not the warm-up
         speculator = run.engine.runner.speculator
-        speculator.stats = SpecStats(speculator.num_tokens)
+        speculator.stats = SpeculativeStats(speculator.num_tokens)
     plain_s = 0.0
     for prompt in prompts:
         (reference,), seconds = timed_generate(plain, [prompt], params)

@@ -6,7 +6,14 @@ import pytest
 from llmc.errors import LlmcError
 from llmc.evals.business_set import load_business_set
 
-GOOD = {"id": "a", "system": "Policy: 30 days.", "prompt": "Return window?", "reference": "30 days", "metric": "contains", "tags": ["returns"]}
+GOOD = {
+    "id": "a",
+    "system": "Policy: 30 days.",
+    "prompt": "Return window?",
+    "reference": "30 days",
+    "metric": "contains",
+    "tags": ["returns"],
+}
 
 
 def write_lines(path, lines):

@@ -161,7 +161,9 @@ def test_an_interrupted_distillation_resumes_from_the_answers_it_saved(tmp_path,
     (cache,) = (tmp_path / "home" / "distill").iterdir()
     assert cache.suffix == ".parts" and [path.name for path in cache.iterdir()] == ["part-0000.safetensors"]
     requested = []
-    monkeypatch.setattr(LLMEngine, "add_request", lambda self, *args, _add=LLMEngine.add_request: requested.append(args[0]) or _add(self, *args))
+    monkeypatch.setattr(
+        LLMEngine, "add_request", lambda self, *args, _add=LLMEngine.add_request: requested.append(args[0]) or _add(self, *args)
+    )
     resumed = cached_self_distill(artifact, prompts, None, 12)
     assert saved == [[0, 1, 2, 3]] and len(requested) == 3  # only the answers not saved are generated
     assert [path.suffix for path in (tmp_path / "home" / "distill").iterdir()] == [".safetensors"]  # parts gone once whole
@@ -221,7 +223,10 @@ def test_eagle_top1_on_held_out_answers_is_measured_on_answers_it_never_trained_
     count, which its training top-1 shows and its held-out top-1 must not."""
     hf = AutoConfig.from_pretrained(tiny_llama)
     generator = torch.Generator().manual_seed(0)
-    counting = lambda start: [(start + k) % hf.vocab_size for k in range(40)]
+
+    def counting(start):
+        return [(start + k) % hf.vocab_size for k in range(40)]
+
     token_ids = [torch.randint(hf.vocab_size, (40,), generator=generator).tolist() if index % 25 == 0 else counting(index)
                  for index in range(50)]
     data = DistillSet(token_ids, [torch.randn(39, hf.hidden_size, generator=generator) for _ in token_ids], [4] * 50,

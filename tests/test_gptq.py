@@ -178,6 +178,6 @@ def test_act_order_without_a_hessian_is_refused(tmp_path, tiny_llama):
 
 
 @pytest.mark.parametrize("name", ["smollm2-w4a16-gptq", "smollm2-w4a16-awq", "smollm2-w4a16-awq-gptq"])
-def test_shipped_recipes_are_valid(name):
+def test_shipped_gptq_and_awq_recipes_use_group_size_64(name):
     recipe = load_recipe(Path(__file__).resolve().parents[1] / "recipes" / f"{name}.yaml")
     assert all(stage.weights.group_size in (None, 64) for stage in recipe.stages if hasattr(stage, "weights"))

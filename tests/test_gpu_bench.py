@@ -17,7 +17,8 @@ def test_gpu_bench_smoke_runs_every_format_on_cpu():
     )
     assert result.returncode == 0, result.stderr[-3000:]
     header, *rows = result.stdout.strip().split("\n\n")[-1].splitlines()
-    assert header.split() == ["model", "format", "kernel", "weights", "GB", "batch-1", "tok/s", "MBU", "tok/s", "@", "3"], result.stderr[-3000:]
+    expected_header = ["model", "format", "kernel", "weights", "GB", "batch-1", "tok/s", "MBU", "tok/s", "@", "3"]
+    assert header.split() == expected_header, result.stderr[-3000:]
     assert [row[len("SmolLM2-135M  "):].split("  ")[0].strip() for row in rows] == FORMATS
     kernels = [row.split()[-5] for row in rows]  # on CPU in float16, int4 runs dequantized
     assert kernels == ["DenseLinear", "DenseLinear", *["QuantizedInputLinear"] * 3, "DenseLinear"]

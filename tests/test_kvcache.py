@@ -47,7 +47,8 @@ def test_scales_are_calibrated_from_keys_and_values(tmp_path, tiny_llama, calib_
     qmax = 448.0 if dtype == "fp8" else 127.5  # symmetric int8: absmax / ((127 - -128) / 2)
     for states, name in ((key, "k_scale"), (value, "v_scale")):
         absmax = states.abs().amax() if strategy == "tensor" else states.abs().amax(dim=(0, 2, 3)).reshape(-1, 1, 1)
-        torch.testing.assert_close(reader.tensor(f"{ATTENTION}.{name}"), (absmax / qmax).reshape(absmax.shape if strategy == "head" else (1,)))
+        expected = (absmax / qmax).reshape(absmax.shape if strategy == "head" else (1,))
+        torch.testing.assert_close(reader.tensor(f"{ATTENTION}.{name}"), expected)
     assert reader.tensor(f"{ATTENTION}.k_scale").shape == ((1,) if strategy == "tensor" else (2, 1, 1))
 
 

@@ -156,6 +156,9 @@ def test_legacy_exports_serve_as_transformers_reads_them(tmp_path, tiny_llama, c
     ("export.format=gptq", "checkpoint_format gptq \\(v1\\) stores zero - 1"),
 ])
 def test_legacy_exports_refuse_what_their_layout_cannot_hold(tmp_path, tiny_llama, override, message):
-    stage = "  - type: rtn\n    scheme: W8A16\n" if "awq" in override else "  - type: rtn\n    scheme: W4A16_ASYM\n    weights: {group_size: 32}\n"
+    if "awq" in override:
+        stage = "  - type: rtn\n    scheme: W8A16\n"
+    else:
+        stage = "  - type: rtn\n    scheme: W4A16_ASYM\n    weights: {group_size: 32}\n"
     with pytest.raises(LlmcError, match=message):
         load_recipe(write_recipe(tmp_path / "r.yaml", tiny_llama, tmp_path / "art", stage), [override])

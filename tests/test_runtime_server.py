@@ -199,14 +199,15 @@ def test_soak_with_cancellations_leaks_no_blocks(server):
         async with gate:
             stream = await client.completions.create(
                 model="tiny", prompt=f"{PROMPT} {index}", max_tokens=24 + index, temperature=0.8, seed=index, stream=True)
-            tokens = 0
+            tokens, finish_reason = 0, None
             async for chunk in stream:
                 tokens += 1
+                finish_reason = chunk.choices[0].finish_reason
                 if index % 5 == 0 and tokens == 3:  # every fifth client walks away mid-stream
                     await stream.close()
                     results.append("cancelled")
                     return
-            results.append(chunk.choices[0].finish_reason)
+            results.append(finish_reason)
 
     async def scenario():
         client = openai.AsyncOpenAI(base_url=f"{server.base}/v1", api_key=API_KEY, max_retries=0)

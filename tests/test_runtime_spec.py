@@ -73,9 +73,11 @@ def test_a_tree_wider_than_four_paths_per_level_is_filled_and_stays_exact(tiny_l
     """A tree of 18 nodes over 2 levels keeps 9 paths per level (EAGLE-2's trees are 60 nodes over 6 levels)."""
     draft, prompts = trained
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
-    engine = build(tiny_llama, speculative=draft if method == "medusa" else trained_eagle, num_speculative_tokens=2, speculative_tree_nodes=18)
+    folder = draft if method == "medusa" else trained_eagle
+    engine = build(tiny_llama, speculative=folder, num_speculative_tokens=2, speculative_tree_nodes=18)
     assert engine.runner.speculator.proposer.top_k == 9
-    assert [out["token_ids"] for out in engine.generate(prompts, params)] == [out["token_ids"] for out in build(tiny_llama).generate(prompts, params)]
+    speculative = [out["token_ids"] for out in engine.generate(prompts, params)]
+    assert speculative == [out["token_ids"] for out in build(tiny_llama).generate(prompts, params)]
     stats = engine.runner.speculator.stats
     assert stats.num_draft_tokens / stats.num_drafts > 16  # more than 4 paths x 2 levels
 
@@ -124,7 +126,8 @@ def test_eagle_feeds_only_confident_nodes_into_its_layer(tiny_llama, trained, tr
 
     monkeypatch.setattr(proposer, "_draft", recording_draft)
     monkeypatch.setattr("llmc.runtime.speculative.proposers.add_level", recording_level)
-    assert [out["token_ids"] for out in engine.generate(prompts, params)] == [out["token_ids"] for out in build(tiny_llama).generate(prompts, params)]
+    speculative = [out["token_ids"] for out in engine.generate(prompts, params)]
+    assert speculative == [out["token_ids"] for out in build(tiny_llama).generate(prompts, params)]
     confident = [sum(score >= math.log(threshold) for score in levels[index - 1]) for index, _ in fed]
     assert fed and [rows for _, rows in fed] == confident
     assert any(len(levels[index - 1]) > rows for index, rows in fed)  # some unconfident node was left out
@@ -183,9 +186,16 @@ def test_greedy_speculative_output_equals_plain_decoding(tiny_llama, trained, tr
 
 def test_speculation_turns_off_under_load(tiny_llama, trained):
     draft, prompts = trained
+    assert len(prompts) > 1
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    plain = [out["token_ids"] for out in build(tiny_llama, num_kv_blocks=256).generate(prompts, params)]
     engine = build(tiny_llama, speculative=draft, speculative_max_num_seqs=1, num_kv_blocks=256)  # all run at once
-    engine.generate(prompts, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
+    assert [out["token_ids"] for out in engine.generate(prompts, params)] == plain
     assert engine.runner.speculator.stats.num_drafts == 0
+    # the same prompts under a limit they fit in are drafted for, so the zero above is the limit's doing
+    engine = build(tiny_llama, speculative=draft, speculative_max_num_seqs=len(prompts), num_kv_blocks=256)
+    assert [out["token_ids"] for out in engine.generate(prompts, params)] == plain
+    assert engine.runner.speculator.stats.num_drafts > 0
 
 
 def test_governor_measures_both_ways_then_drafts_only_while_it_wins_probing_the_other_way():
@@ -330,7 +340,11 @@ def test_adaptive_speculation_stops_drafting_when_verifying_costs_more_than_it_r
     plain = build(tiny_llama).generate(prompts[:1], SamplingParams(temperature=0, max_tokens=40, ignore_eos=True))
     governor = engine.runner.speculator.governor
     record = governor.record
-    monkeypatch.setattr(governor, "record", lambda num_seqs, drafted, num_tokens, seconds: record(num_seqs, drafted, num_tokens, seconds * (50 if drafted else 1)))
+
+    def slow_drafts(num_seqs, drafted, num_tokens, seconds):
+        return record(num_seqs, drafted, num_tokens, seconds * (50 if drafted else 1))
+
+    monkeypatch.setattr(governor, "record", slow_drafts)
     served = engine.generate(prompts[:1], SamplingParams(temperature=0, max_tokens=40, ignore_eos=True))
     assert served[0]["token_ids"] == plain[0]["token_ids"]
     stats = engine.runner.speculator.stats

@@ -23,7 +23,8 @@ PROMPTS = ["The quick brown fox", "A stitch in time", "Quantization maps real nu
 def quantized_two_ways(tmp_path_factory, tiny_llama) -> dict[str, Path]:
     folder = tmp_path_factory.mktemp("two-ways")
     artifacts = {}
-    for name, stage in {"w8": "  - type: rtn\n    scheme: W8A16\n", "w4": "  - type: rtn\n    scheme: W4A16\n    weights: {group_size: 32}\n"}.items():
+    stages = {"w8": "  - type: rtn\n    scheme: W8A16\n", "w4": "  - type: rtn\n    scheme: W4A16\n    weights: {group_size: 32}\n"}
+    for name, stage in stages.items():
         recipe = write_recipe(folder / f"{name}.yaml", tiny_llama, folder / name, stage)
         artifacts[name] = run_quantize(load_recipe(recipe))
     return artifacts
@@ -37,9 +38,11 @@ def base_answer_set(tmp_path_factory, tiny_llama) -> Path:
     requests = [GenerationRequest(item.prompt_messages, 6) for item in load_business_set(draft)]
     outputs = make_generator(load_model(str(tiny_llama))).generate(requests)
     path = draft.with_name("base_answers.jsonl")
-    path.write_text("".join(
-        json.dumps({"id": f"i{n}", "prompt": p, "reference": o or "-", "metric": "exact", "max_tokens": 6, "tags": ["even" if n % 2 == 0 else "odd"]}) + "\n"
-        for n, (p, o) in enumerate(zip(PROMPTS, outputs))))
+    items = [
+        {"id": f"i{n}", "prompt": p, "reference": o or "-", "metric": "exact", "max_tokens": 6, "tags": ["even" if n % 2 == 0 else "odd"]}
+        for n, (p, o) in enumerate(zip(PROMPTS, outputs))
+    ]
+    path.write_text("".join(json.dumps(item) + "\n" for item in items))
     return path
 
 
