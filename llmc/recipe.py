@@ -1,7 +1,7 @@
 """The recipe: one YAML file that drives the whole pipeline. Each section's fields live beside the code they
 configure; this module assembles them, checks what spans sections, and loads YAML."""
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, get_args
 
 import yaml
 from pydantic import Field, model_validator
@@ -23,6 +23,7 @@ from llmc.validation import validated_document
 StageConfig = Annotated[RTNStage | GPTQStage | AWQStage | SmoothQuantStage, Field(discriminator="type")]
 WEIGHT_STAGES = (RTNStage, GPTQStage)
 TRANSFORM_STAGES = (AWQStage, SmoothQuantStage)
+STAGE_TYPES = tuple(get_args(stage.model_fields["type"].annotation)[0] for stage in WEIGHT_STAGES + TRANSFORM_STAGES)
 
 
 class Recipe(StrictModel):
@@ -111,4 +112,4 @@ def load_recipe(path: Path, overrides: list[str] = (), output: str | None = None
     if output is not None:
         data["output"] = output
         overridden.add(("output",))
-    return validated_document(Recipe, data, path, root, overridden)
+    return validated_document(Recipe, data, path, root, overridden, union_tags=STAGE_TYPES)

@@ -7,8 +7,6 @@ from pydantic import BaseModel, ValidationError
 
 from llmc.errors import LlmcError
 
-HIDDEN_LOCATION_PARTS = ("rtn", "gptq", "awq", "smoothquant")  # pydantic's tag of a discriminated union member
-
 
 def validated(model: type[BaseModel], data: dict, source: str, prefix: str = "") -> BaseModel:
     """data as `model`, or one LlmcError listing every problem (`source` says what was being read, `prefix` is the
@@ -16,21 +14,23 @@ def validated(model: type[BaseModel], data: dict, source: str, prefix: str = "")
     try:
         return model.model_validate(data)
     except ValidationError as error:
-        problems = [f"  {prefix}{'.'.join(map(str, _location(item))) or '(top level)'}: {_message(item)}" for item in error.errors()]
+        problems = [f"  {prefix}{'.'.join(map(str, _location(item, ()))) or '(top level)'}: {_message(item)}" for item in error.errors()]
         raise LlmcError(f"invalid {source}:\n" + "\n".join(problems)) from None
 
 
-def validated_document(model: type[BaseModel], data: dict, path: Path, root: yaml.Node | None, overridden: set[tuple]) -> BaseModel:
+def validated_document(model: type[BaseModel], data: dict, path: Path, root: yaml.Node | None, overridden: set[tuple],
+                       union_tags: tuple[str, ...] = ()) -> BaseModel:
     """data (read from the YAML file at path, its node tree `root`, then overridden) as `model`, or one LlmcError
-    naming the field and YAML line (or --set) of each problem."""
+    naming the field and YAML line (or --set) of each problem. union_tags: the discriminators of the document's
+    unions, which pydantic puts into an error's location and a reader does not need."""
     try:
         return model.model_validate(data)
     except ValidationError as error:
-        raise LlmcError(_describe(error, path, root, overridden, model)) from None
+        raise LlmcError(_describe(error, path, root, overridden, model, union_tags)) from None
 
 
-def _location(item: dict) -> list:
-    return [part for part in item["loc"] if part not in HIDDEN_LOCATION_PARTS and not str(part).startswith("function-")]
+def _location(item: dict, union_tags: tuple[str, ...]) -> list:
+    return [part for part in item["loc"] if part not in union_tags and not str(part).startswith("function-")]
 
 
 def _message(item: dict) -> str:
@@ -39,10 +39,11 @@ def _message(item: dict) -> str:
     return item["msg"].removeprefix("Value error, ")
 
 
-def _describe(error: ValidationError, path: Path, root: yaml.Node | None, overridden: set[tuple], model: type[BaseModel]) -> str:
+def _describe(error: ValidationError, path: Path, root: yaml.Node | None, overridden: set[tuple], model: type[BaseModel],
+              union_tags: tuple[str, ...]) -> str:
     lines = [f"invalid recipe {path}:"]
     for item in error.errors():
-        location = _location(item)
+        location = _location(item, union_tags)
         message = _message(item)
         named = [] if location else _path_named_in(message, model)  # a whole-document check names the field it is about
         location = location or named

@@ -2,6 +2,7 @@ import json
 import subprocess
 import sys
 
+import pytest
 from conftest import write_recipe
 
 STAGE = "  - type: rtn\n    scheme: W4A16\n    weights: {group_size: 32}\n"
@@ -11,6 +12,7 @@ def llmc(*args, cwd=None):
     return subprocess.run([sys.executable, "-m", "llmc", *args], capture_output=True, text=True, cwd=cwd)
 
 
+@pytest.mark.slow
 def test_quantize_inspect_eval(tmp_path, tiny_llama, calib_file, eval_file):
     recipe = write_recipe(tmp_path / "r.yaml", tiny_llama, tmp_path / "unused", STAGE, calib_file)
     output = tmp_path / "out"
@@ -37,6 +39,7 @@ def test_quantize_inspect_eval(tmp_path, tiny_llama, calib_file, eval_file):
     assert table.returncode == 0 and "+0.00%" in table.stdout and "100.0%" not in table.stdout
 
 
+@pytest.mark.slow
 def test_bad_recipe_exits_nonzero_without_traceback_or_output(tmp_path, tiny_llama):
     recipe = write_recipe(tmp_path / "r.yaml", tiny_llama, tmp_path / "out", STAGE.replace("group_size", "gruop_size"))
     run = llmc("quantize", str(recipe))
@@ -46,6 +49,7 @@ def test_bad_recipe_exits_nonzero_without_traceback_or_output(tmp_path, tiny_lla
     assert not (tmp_path / "out").exists() and not list(tmp_path.glob(".out*"))
 
 
+@pytest.mark.slow
 def test_user_mistakes_are_one_line_errors(tmp_path):
     missing = llmc("eval", "no-such-model-xyz", "--perplexity", "wikitext2")
     assert missing.returncode == 2 and "Traceback" not in missing.stderr

@@ -1,6 +1,7 @@
 """The quality gate end to end: `llmc quantize` writes the artifact only when every threshold holds."""
 import json
 
+import pytest
 from conftest import write_recipe
 from test_cli import llmc
 
@@ -25,6 +26,7 @@ def gate_recipe(tmp_path, tiny_llama, eval_file, gate: str):
     return recipe
 
 
+@pytest.mark.slow
 def test_gate_passes_and_the_manifest_records_it(tmp_path, tiny_llama, eval_file):
     recipe = gate_recipe(tmp_path, tiny_llama, eval_file, "{max_perplexity_increase: 10.0, max_kl: 100.0}")
     run = llmc("quantize", str(recipe))
@@ -40,6 +42,7 @@ def test_gate_passes_and_the_manifest_records_it(tmp_path, tiny_llama, eval_file
     assert "mean KL" in llmc("inspect", str(tmp_path / "out")).stdout
 
 
+@pytest.mark.slow
 def test_gate_failure_writes_no_artifact_and_keeps_the_report_beside(tmp_path, tiny_llama, eval_file):
     recipe = gate_recipe(tmp_path, tiny_llama, eval_file, "{max_perplexity_increase: 0.0001, max_kl: 100.0}")
     run = llmc("quantize", str(recipe))
@@ -52,6 +55,7 @@ def test_gate_failure_writes_no_artifact_and_keeps_the_report_beside(tmp_path, t
     assert report["gate"]["passed"] is False and "Gate: FAILED" in (beside / "report.md").read_text()
 
 
+@pytest.mark.slow
 def test_eval_gate_option_and_its_mistakes(tmp_path, tiny_llama, tiny_qwen2):
     common = ["eval", str(tiny_llama), str(tiny_llama), "--business", str(business_set(tmp_path / "set.jsonl"))]
     held = llmc(*common, "--gate", "min_agreement=1", "--gate", "max_kl=0", "--out", str(tmp_path / "report"))

@@ -5,10 +5,13 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parents[1]
 FORMATS = ["fp16", "W4A16", "W8A8", "FP8", "FP8 per-tensor", "W4A16 + FP8 KV"]
 
 
+@pytest.mark.slow
 def test_gpu_bench_smoke_runs_every_format_on_cpu():
     env = os.environ | {"PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
     result = subprocess.run(

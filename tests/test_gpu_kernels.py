@@ -11,6 +11,7 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 
 
+@pytest.mark.slow
 def test_every_kernel_matches_its_torch_reference():
     pytest.importorskip("triton")
     env = os.environ | {"PYTHONPATH": str(REPO)}

