@@ -11,6 +11,7 @@ from rich.console import Console
 from llmc.errors import LlmcError
 from llmc.evals.config import PerplexityEval
 from llmc.runtime.engine.config import EngineConfig
+from llmc.runtime.serving import DEFAULT_MAX_WAITING
 from llmc.runtime.speculative.shape import DEFAULT_SHAPES
 
 console = Console()
@@ -197,7 +198,7 @@ def require_serve_extra() -> None:
 @click.option("--port", type=int, default=8000, show_default=True)
 @click.option("--api-key", envvar="LLMC_API_KEY", help="Require `Authorization: Bearer KEY` on /v1 (or set LLMC_API_KEY).")
 @click.option("--served-model-name", help="The model name clients send (default: ARTIFACT as given).")
-@click.option("--max-waiting", type=click.IntRange(min=0), default=128, show_default=True,
+@click.option("--max-waiting", type=click.IntRange(min=0), default=DEFAULT_MAX_WAITING, show_default=True,
               help="Requests queued beyond --max-num-seqs before the server answers 503.")
 @with_options(ENGINE_OPTIONS)
 def serve(artifact: str, host: str, port: int, api_key: str | None, served_model_name: str | None, max_waiting: int,

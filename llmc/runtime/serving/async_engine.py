@@ -8,6 +8,7 @@ from collections.abc import AsyncIterator
 from llmc.errors import LlmcError
 from llmc.runtime.llm_engine import LLMEngine, RequestOutput
 from llmc.runtime.sampling_params import SamplingParams
+from llmc.runtime.serving import DEFAULT_MAX_WAITING
 
 
 class EngineBusy(LlmcError):
@@ -15,7 +16,7 @@ class EngineBusy(LlmcError):
 
 
 class AsyncLLMEngine:
-    def __init__(self, engine: LLMEngine, max_waiting: int = 128):
+    def __init__(self, engine: LLMEngine, max_waiting: int = DEFAULT_MAX_WAITING):
         self.engine = engine
         self.max_requests = engine.config.max_num_seqs + max_waiting
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
