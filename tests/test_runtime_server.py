@@ -150,6 +150,33 @@ def test_bad_requests_get_openai_errors_and_the_server_keeps_serving(server):
     assert server.client.completions.create(model="tiny", prompt=PROMPT, max_tokens=2).usage.completion_tokens >= 1
 
 
+
+def post(server, path: str, body: dict) -> httpx.Response:
+    return httpx.post(f"{server.base}/v1/{path}", json=body, headers={"Authorization": f"Bearer {API_KEY}"}, timeout=60)
+
+
+@pytest.mark.parametrize("field, value", [("tools", [{"type": "function", "function": {"name": "f"}}]),
+                                          ("response_format", {"type": "json_object"}), ("frequency_penalty", 0.5),
+                                          ("logit_bias", {"5": 10}), ("best_of", 3)])
+def test_fields_llmc_does_not_implement_are_refused_by_name(server, field, value):
+    chat = field in ("tools", "response_format")
+    body = {"model": "tiny", "max_tokens": 2} | ({"messages": [{"role": "user", "content": PROMPT}]} if chat else {"prompt": PROMPT})
+    response = post(server, "chat/completions" if chat else "completions", body | {field: value})
+    assert response.status_code == 400 and response.json()["error"]["message"] == f"{field} is not supported by llmc serve"
+    neutral = {"tools": [], "response_format": {"type": "text"}, "frequency_penalty": 0, "logit_bias": {}, "best_of": 1}[field]
+    assert post(server, "chat/completions" if chat else "completions", body | {field: neutral}).status_code == 200
+
+
+def test_unknown_fields_and_max_tokens_past_the_context_are_refused(server):
+    response = post(server, "completions", {"model": "tiny", "prompt": PROMPT, "max_tokens": 2, "temprature": 0})
+    assert response.status_code == 400 and response.json()["error"]["message"].startswith("temprature: unknown field")
+    response = post(server, "completions", {"model": "tiny", "prompt": PROMPT, "max_tokens": 1_000_000_000})
+    assert response.status_code == 400 and "maximum context length is 512 tokens" in response.json()["error"]["message"]
+    response = post(server, "chat/completions", {"model": "tiny", "messages": [{"role": "user", "content": PROMPT}],
+                                                 "max_completion_tokens": 10_000})
+    assert response.status_code == 400 and "lower max_tokens to at most" in response.json()["error"]["message"]
+    assert idle(server)
+
 async def open_stream(client: httpx.AsyncClient, base: str, max_tokens: int = 400):
     request = client.build_request(
         "POST", f"{base}/v1/completions", headers={"Authorization": f"Bearer {API_KEY}"},
@@ -169,7 +196,7 @@ def test_full_queue_answers_503_and_disconnects_free_blocks(server):
 
     async def scenario():
         async with httpx.AsyncClient(timeout=120) as client:
-            streams = [await open_stream(client, server.base, max_tokens=1000) for _ in range(MAX_NUM_SEQS + MAX_WAITING)]
+            streams = [await open_stream(client, server.base, max_tokens=400) for _ in range(MAX_NUM_SEQS + MAX_WAITING)]
             for response, lines in streams[:MAX_NUM_SEQS]:
                 assert response.status_code == 200 and (await anext(lines)).startswith("data: ")
             busy = await client.post(f"{server.base}/v1/completions", headers={"Authorization": f"Bearer {API_KEY}"},
@@ -187,7 +214,7 @@ def test_non_streaming_client_that_gives_up_is_aborted(server):
     aborted_before = num_aborted(server)
     with pytest.raises(httpx.ReadTimeout):
         httpx.post(f"{server.base}/v1/completions", headers={"Authorization": f"Bearer {API_KEY}"}, timeout=0.3,
-                   json={"model": "tiny", "prompt": PROMPT, "max_tokens": 1000, "ignore_eos": True})
+                   json={"model": "tiny", "prompt": PROMPT, "max_tokens": 400, "ignore_eos": True})
     wait_until(lambda: idle(server))
     assert num_aborted(server) == aborted_before + 1
 

@@ -1,14 +1,24 @@
 """The OpenAI request bodies the server accepts, and their translation into SamplingParams."""
-from pydantic import BaseModel, ConfigDict, Field
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from llmc.errors import LlmcError
 from llmc.runtime.sampling_params import SamplingParams
 
 COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
+# OpenAI fields llmc does not implement, with the values that ask for nothing: sent with one of those they pass,
+# with any other they are refused by name rather than ignored
+NOT_IMPLEMENTED: dict[str, tuple] = {
+    "frequency_penalty": (0,), "presence_penalty": (0,), "logit_bias": ({},), "best_of": (1,), "suffix": ("",),
+    "tools": ([],), "tool_choice": ("none",), "parallel_tool_calls": (), "functions": ([],), "function_call": ("none",),
+    "response_format": ({"type": "text"},), "prediction": (), "audio": (), "modalities": (["text"],),
+    "service_tier": (), "reasoning_effort": (), "web_search_options": (), "metadata": ({},), "store": (False,),
+}
 
 
 class SamplingRequest(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="forbid")
 
     model: str | None = None
     max_tokens: int | None = Field(default=None, ge=1)
@@ -22,10 +32,32 @@ class SamplingRequest(BaseModel):
     n: int = Field(default=1, ge=1, le=128)  # choices per prompt, OpenAI's bound
     stream: bool = False
     stream_options: dict | None = None
+    user: str | None = None  # the client's end-user id; llmc keeps no per-user state, so it changes nothing
+
+    @model_validator(mode="before")
+    @classmethod
+    def _refuse_what_is_not_implemented(cls, data: Any) -> Any:
+        if not isinstance(data, dict):
+            return data
+        for name, neutral in NOT_IMPLEMENTED.items():
+            if name in data and data[name] is not None and data[name] not in neutral:
+                raise LlmcError(f"{name} is not supported by llmc serve")
+        return {key: value for key, value in data.items() if key not in NOT_IMPLEMENTED}
+
+    def check_fits(self, prompt_len: int, max_model_len: int, max_tokens: int) -> int:
+        """max_tokens, or a 400 like vLLM's when the prompt and max_tokens together exceed the context (a prompt that
+        alone is too long is the engine's to refuse)."""
+        if prompt_len < max_model_len < prompt_len + max_tokens:
+            raise LlmcError(f"this model's maximum context length is {max_model_len} tokens; the request asks for "
+                            f"{prompt_len + max_tokens} ({prompt_len} in the prompt, {max_tokens} to generate): "
+                            f"lower max_tokens to at most {max(max_model_len - prompt_len, 0)}")
+        return max_tokens
 
     def resolved_max_tokens(self, prompt_len: int, max_model_len: int) -> int:
         """The most tokens to generate: max_tokens, else what the context leaves after the prompt."""
-        return self.max_tokens or max(1, max_model_len - prompt_len)
+        if self.max_tokens is None:
+            return max(1, max_model_len - prompt_len)
+        return self.check_fits(prompt_len, max_model_len, self.max_tokens)
 
     def num_logprobs(self) -> int | None:
         """Top alternatives to return with each sampled token's logprob; None: no logprobs at all."""
@@ -61,7 +93,7 @@ class CompletionRequest(SamplingRequest):
     echo: bool = False
 
     def resolved_max_tokens(self, prompt_len: int, max_model_len: int) -> int:
-        return self.max_tokens or COMPLETION_MAX_TOKENS  # an explicit null gets the default too
+        return self.check_fits(prompt_len, max_model_len, self.max_tokens or COMPLETION_MAX_TOKENS)  # null: the default
 
     def num_logprobs(self) -> int | None:
         return self.logprobs
@@ -91,7 +123,9 @@ class ChatCompletionRequest(SamplingRequest):
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
 
     def resolved_max_tokens(self, prompt_len: int, max_model_len: int) -> int:
-        return self.max_completion_tokens or super().resolved_max_tokens(prompt_len, max_model_len)
+        if self.max_completion_tokens is not None:
+            return self.check_fits(prompt_len, max_model_len, self.max_completion_tokens)
+        return super().resolved_max_tokens(prompt_len, max_model_len)
 
     def num_logprobs(self) -> int | None:
         return (self.top_logprobs or 0) if self.logprobs else None

@@ -88,7 +88,11 @@ async def bad_request(request: Request, error: LlmcError) -> JSONResponse:
 
 
 async def invalid_body(request: Request, error: RequestValidationError) -> JSONResponse:
-    details = "; ".join(f"{'.'.join(str(part) for part in item['loc'][1:])}: {item['msg']}" for item in error.errors())
+    def described(item: dict) -> str:
+        message = "unknown field (llmc serve implements no such parameter)" if item["type"] == "extra_forbidden" else item["msg"]
+        return f"{'.'.join(str(part) for part in item['loc'][1:])}: {message}"
+
+    details = "; ".join(described(item) for item in error.errors())
     return error_response(400, details or "invalid request body", "invalid_request_error")
 
 
