@@ -59,14 +59,17 @@ def cli() -> None:
 @click.option("--overwrite", is_flag=True, help="Replace an existing artifact folder.")
 def quantize(recipe: Path, output: str | None, overrides: tuple[str, ...], overwrite: bool) -> None:
     """Run RECIPE (YAML) and write a compressed-tensors artifact."""
-    from llmc.pipeline import run_quantize
+    from llmc.inputs import resolve_eval_and_draft_inputs
     from llmc.recipe import load_recipe
 
     loaded = load_recipe(recipe, list(overrides), output)
+    eval_inputs = resolve_eval_and_draft_inputs(loaded)  # before the pipeline's imports: a missing input fails fast
     if not loaded.needs_calibration:
         unused = "; its calibration section only measures each layer's output error" if loaded.calibration else ""
         console.print(f"data-free: no stage of {recipe.name} needs calibration data{unused}")
-    artifact = run_quantize(loaded, overwrite)
+    from llmc.pipeline import run_quantize
+
+    artifact = run_quantize(loaded, overwrite, eval_inputs)
     console.print(f"[green]wrote[/] {artifact}")
 
 
@@ -106,12 +109,15 @@ def evaluate(targets: tuple[str, ...], perplexity_data: str | None, seq_len: int
             console.print(speculative_table(result))
         return
     from llmc.evals.config import options_eval_config
+    from llmc.evals.inputs import load_eval_inputs
+
+    config = options_eval_config(perplexity_data, seq_len, max_windows, business, tasks, limit, list(gate))
+    inputs = load_eval_inputs(config)  # before the models' imports: a missing input fails fast
     from llmc.evals.gate import require_gate_passed
     from llmc.evals.report import summary_table, write_report
     from llmc.evals.suite import evaluate_specs
 
-    config = options_eval_config(perplexity_data, seq_len, max_windows, business, tasks, limit, list(gate))
-    report = evaluate_specs(list(targets), config)
+    report = evaluate_specs(list(targets), config, inputs)
     if out is not None:
         write_report(report, out)
     if as_json:

@@ -16,8 +16,10 @@ from llmc.artifact.writer import ShardWriter, check_output, staged_folder, write
 from llmc.calib.data import load_calibration
 from llmc.calib.driver import build_skeleton, decoder_layers, decoder_linears, quantize_layerwise
 from llmc.evals.gate import GateFailed, require_gate_passed
+from llmc.evals.inputs import EvalInputs
 from llmc.evals.report import summary, write_report
 from llmc.evals.suite import EvalTarget, evaluate_side_by_side
+from llmc.inputs import resolve_eval_and_draft_inputs, resolved
 from llmc.models.checkpoint import CheckpointReader
 from llmc.models.families import family_for
 from llmc.models.spec import resolve_model
@@ -35,12 +37,14 @@ def export_dtype(recipe: Recipe, config) -> torch.dtype:
     return getattr(torch, source) if isinstance(source, str) else source
 
 
-def run_quantize(recipe: Recipe, overwrite: bool = False) -> Path:
+def run_quantize(recipe: Recipe, overwrite: bool = False, eval_inputs: EvalInputs | None = None) -> Path:
+    """eval_inputs: resolve_eval_and_draft_inputs(recipe), when the caller resolved them already."""
     timings: dict[str, float] = {}
     started = time.perf_counter()
     output = Path(recipe.output)
     check_output(output, overwrite)
-    folder = resolve_model(recipe.model)
+    eval_inputs = eval_inputs or resolve_eval_and_draft_inputs(recipe)
+    folder = resolved(recipe, ("model",), lambda: resolve_model(recipe.model))
     config = AutoConfig.from_pretrained(folder)
     family = family_for(config)
     tokenizer = AutoTokenizer.from_pretrained(folder)
@@ -50,7 +54,9 @@ def run_quantize(recipe: Recipe, overwrite: bool = False) -> Path:
     modifiers = [stage.modifier(exporter.scale_dtype or dtype, family) for stage in recipe.stages]
     skeleton = build_skeleton(config)
     plan = build_plan(modifiers, decoder_linears(skeleton, family), kv_only=not recipe.stages)
-    calibration = load_calibration(recipe.calibration, tokenizer) if recipe.calibration else None
+    calibration = None
+    if recipe.calibration:
+        calibration = resolved(recipe, ("calibration", "dataset"), lambda: load_calibration(recipe.calibration, tokenizer))
     timings["prepare_s"] = time.perf_counter() - started
 
     with staged_folder(output, overwrite) as staging:
@@ -72,7 +78,7 @@ def run_quantize(recipe: Recipe, overwrite: bool = False) -> Path:
         tokenizer.save_pretrained(staging)
         (staging / "recipe.yaml").write_text(recipe.to_yaml())
         started = time.perf_counter()
-        evals = run_recipe_evals(recipe, staging, output)
+        evals = run_recipe_evals(recipe, staging, output, eval_inputs)
         timings["eval_s"] = time.perf_counter() - started
         write_manifest(staging, {
             "llmc_version": llmc.__version__,
@@ -119,14 +125,14 @@ def _write_config(source: Path, staging: Path, quantization: dict, dtype: torch.
         (staging / "generation_config.json").write_text(generation.read_text())
 
 
-def run_recipe_evals(recipe: Recipe, staging: Path, output: Path) -> dict:
+def run_recipe_evals(recipe: Recipe, staging: Path, output: Path, inputs: EvalInputs) -> dict:
     """The recipe's evals on the staged artifact (and the baseline): the report goes into the artifact's
     `report/`; when the gate fails it goes beside the output path instead and nothing is written."""
     settings = recipe.eval
     if not (settings.perplexity or settings.business or settings.tasks):
         return {}
     targets = [EvalTarget("baseline", recipe.model)] if settings.baseline else []
-    report = evaluate_side_by_side([*targets, EvalTarget("artifact", str(staging))], settings)
+    report = evaluate_side_by_side([*targets, EvalTarget("artifact", str(staging))], settings, inputs)
     report["targets"]["artifact"]["target"] = str(output)
     try:
         require_gate_passed(report, f"gate failed, no artifact written to {output}")

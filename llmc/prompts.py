@@ -42,3 +42,18 @@ def load_prompts(path: Path, num_prompts: int, tokenizer, chat_template: bool, s
 def distinct_prompts(path: Path, num_prompts: int, tokenizer) -> list[str]:
     """The file's first num_prompts prompts through the chat template, each once."""
     return list(dict.fromkeys(load_prompts(path, num_prompts, tokenizer, chat_template=True, shared_prefix_tokens=0)))
+
+
+def check_not_eval_set(path: Path) -> None:
+    first = next((line for line in path.read_text().splitlines() if line.strip()), "{}") if path.is_file() else "{}"
+    row = json.loads(first)
+    if "question_id" in row and "turns" in row:
+        raise LlmcError(f"{path} looks like MT-bench, the evaluation set; train draft heads on other prompts")
+
+
+
+def check_prompt_files(files: list[str]) -> None:
+    """Every draft-training prompt file readable, with prompts, and none of them the evaluation set."""
+    for file in files:
+        check_not_eval_set(Path(file))
+        read_prompt_texts(Path(file))

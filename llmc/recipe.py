@@ -4,9 +4,9 @@ from pathlib import Path
 from typing import Annotated, get_args
 
 import yaml
-from pydantic import Field, model_validator
+from pydantic import Field, PrivateAttr, model_validator
 
-from llmc.artifact.export import ExportConfig
+from llmc.artifact.export_config import ExportConfig
 from llmc.calib.data import CalibrationConfig
 from llmc.draft.config import DraftConfig
 from llmc.errors import LlmcError
@@ -14,11 +14,11 @@ from llmc.evals.config import EvalConfig
 from llmc.overrides import apply_overrides
 from llmc.quant.awq import AWQStage
 from llmc.quant.gptq import GPTQStage
-from llmc.quant.kvcache import KVCacheConfig
+from llmc.quant.kvcache_config import KVCacheConfig
 from llmc.quant.rtn import RTNStage
 from llmc.quant.smoothquant import SmoothQuantStage
 from llmc.schema import StrictModel
-from llmc.validation import validated_document
+from llmc.validation import located, validated_document
 
 StageConfig = Annotated[RTNStage | GPTQStage | AWQStage | SmoothQuantStage, Field(discriminator="type")]
 WEIGHT_STAGES = (RTNStage, GPTQStage)
@@ -35,6 +35,7 @@ class Recipe(StrictModel):
     eval: EvalConfig = EvalConfig()
     export: ExportConfig = ExportConfig()
     draft: DraftConfig | None = None
+    _source: tuple = PrivateAttr(default=())  # (path, YAML node tree, overridden paths) when loaded from a file
 
     @model_validator(mode="after")
     def _stage_order_and_data(self) -> "Recipe":
@@ -92,6 +93,13 @@ class Recipe(StrictModel):
         if fmt == "awq" and (args.strategy != "group" or args.num_bits != 4):
             raise ValueError("export.format awq: needs num_bits 4 with strategy group")
 
+    def field_error(self, location: tuple, error: LlmcError) -> LlmcError:
+        """error, said of the recipe field at location, with its YAML line (or --set) when the recipe came from a file."""
+        message = str(error)
+        if self._source:
+            return LlmcError(located(*self._source, location, message))
+        return LlmcError(f"{'.'.join(map(str, location))}: {message}")
+
     def to_yaml(self) -> str:
         return yaml.safe_dump(self.model_dump(mode="json", exclude_none=False), sort_keys=False)
 
@@ -112,4 +120,6 @@ def load_recipe(path: Path, overrides: list[str] = (), output: str | None = None
     if output is not None:
         data["output"] = output
         overridden.add(("output",))
-    return validated_document(Recipe, data, path, root, overridden, union_tags=STAGE_TYPES)
+    recipe = validated_document(Recipe, data, path, root, overridden, union_tags=STAGE_TYPES)
+    recipe._source = (path, root, overridden)
+    return recipe

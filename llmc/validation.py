@@ -47,10 +47,19 @@ def _describe(error: ValidationError, path: Path, root: yaml.Node | None, overri
         message = _message(item)
         named = [] if location else _path_named_in(message, model)  # a whole-document check names the field it is about
         location = location or named
-        field = ".".join(str(part) for part in location) or "(top level)"
-        where = "--set" if any(tuple(location[: len(o)]) == o for o in overridden) else f"line {_line_of(root, location)}"
-        lines.append(f"  {path.name} {where}: {message}" if named else f"  {path.name} {where}: {field}: {message}")
+        lines.append("  " + (f"{path.name} {_where(root, overridden, location)}: {message}" if named
+                             else located(path, root, overridden, location, message)))
     return "\n".join(lines)
+
+
+def located(path: Path, root: yaml.Node | None, overridden: set[tuple], location: list | tuple, message: str) -> str:
+    """`recipe.yaml line 12: eval.perplexity.dataset: message` (or `--set` where an override set that field)."""
+    field = ".".join(str(part) for part in location) or "(top level)"
+    return f"{path.name} {_where(root, overridden, location)}: {field}: {message}"
+
+
+def _where(root: yaml.Node | None, overridden: set[tuple], location: list | tuple) -> str:
+    return "--set" if any(tuple(location[: len(o)]) == o for o in overridden) else f"line {_line_of(root, list(location))}"
 
 
 def _path_named_in(message: str, model: type[BaseModel]) -> list:

@@ -210,7 +210,7 @@ def test_train_draft_needs_an_artifact_and_valid_settings(tmp_path):
 
 
 def test_mt_bench_is_refused_as_training_prompts(tmp_path):
-    from llmc.draft.data import check_not_eval_set
+    from llmc.prompts import check_not_eval_set
 
     path = tmp_path / "question.jsonl"
     path.write_text(json.dumps({"question_id": 81, "category": "writing", "turns": ["Compose a blog post."]}) + "\n")

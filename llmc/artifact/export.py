@@ -4,24 +4,17 @@ import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import partial
-from typing import Literal
 
 import torch
 
 from llmc.artifact.awq_format import awq_config, awq_tensors
 from llmc.artifact.compressed_tensors import compressed_tensors_tensors, quantization_config
+from llmc.artifact.export_config import ExportConfig
 from llmc.artifact.gptq_format import gptq_config, gptq_tensors
 from llmc.quant.plan import QuantizationPlan
 from llmc.quant.qtypes import QuantArgs, QuantizedWeight
-from llmc.schema import StrictModel
 
 LEGACY_SCALE_DTYPE = torch.float16  # both legacy layouts store fp16 scales: quantize against exactly those
-
-
-class ExportConfig(StrictModel):
-    format: Literal["compressed-tensors", "gptq", "awq"] = "compressed-tensors"
-    checkpoint_format: Literal["gptq", "gptq_v2"] = "gptq"  # format gptq: v1 stores zero - 1, v2 exact zeros
-    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
 
 
 @dataclass

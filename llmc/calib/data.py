@@ -10,6 +10,7 @@ import torch
 from pydantic import Field
 
 from llmc.errors import LlmcError
+from llmc.models.hub import require_hub
 from llmc.schema import StrictModel
 
 LOCAL_BUILDERS = {".txt": "text", ".jsonl": "json", ".json": "json", ".parquet": "parquet"}
@@ -48,6 +49,7 @@ def load_documents(dataset: str, split: str = "train"):
         if not path.is_file():
             raise LlmcError(f"calibration file not found: {path}")
         return datasets.load_dataset(LOCAL_BUILDERS[path.suffix], data_files=str(path), split="train")
+    require_hub(f"calibration dataset {dataset!r}", "pass a local .jsonl, .json, .txt or .parquet file instead")
     try:
         return datasets.load_dataset(dataset, split=split)
     except Exception as error:  # offline, unknown name, gated: all surface as the hub client's own types

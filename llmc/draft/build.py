@@ -13,6 +13,7 @@ from llmc.draft.data import DistillSet, cached_self_distill
 from llmc.draft.losses import OUT_OF_VOCAB, eagle_loss, medusa_labels, medusa_loss, unrolled
 from llmc.draft.train import TrainConfig, train
 from llmc.errors import LlmcError
+from llmc.prompts import check_prompt_files
 from llmc.runtime.models.loader import WeightLoader
 from llmc.runtime.speculative.eagle import EagleDraft, EagleShape
 from llmc.runtime.speculative.medusa import MedusaHeads
@@ -27,6 +28,7 @@ HELD_OUT_EVERY = 25  # every 25th answer stays out of training: the draft's top-
 def train_draft(artifact: Path, config: DraftConfig) -> Path:
     if not (artifact / MANIFEST).is_file():
         raise LlmcError(f"{artifact} is not an llmc artifact (no {MANIFEST})")
+    check_prompt_files(config.prompts)
     started = time.perf_counter()
     data = DistillSet.joined([cached_self_distill(artifact, Path(file), config.num_prompts, config.max_tokens) for file in config.prompts])
     distill_s = time.perf_counter() - started

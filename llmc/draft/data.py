@@ -19,7 +19,7 @@ from tqdm import tqdm
 from llmc.artifact.writer import MANIFEST
 from llmc.errors import LlmcError
 from llmc.models.spec import llmc_home
-from llmc.prompts import distinct_prompts, read_prompt_texts
+from llmc.prompts import check_not_eval_set, distinct_prompts, read_prompt_texts
 from llmc.runtime.engine.config import EngineConfig, native_bfloat16
 from llmc.runtime.llm_engine import LLMEngine
 from llmc.runtime.sampling_params import SamplingParams
@@ -55,13 +55,6 @@ class DistillSet:
     @property
     def num_answer_tokens(self) -> int:
         return sum(len(ids) - start for ids, start in zip(self.token_ids, self.answer_starts))
-
-
-def check_not_eval_set(path: Path) -> None:
-    first = next((line for line in path.read_text().splitlines() if line.strip()), "{}") if path.is_file() else "{}"
-    row = json.loads(first)
-    if "question_id" in row and "turns" in row:
-        raise LlmcError(f"{path} looks like MT-bench, the evaluation set; train draft heads on other prompts")
 
 
 def self_distill(artifact: Path, prompts_file: Path, num_prompts: int, max_tokens: int, parts: Path, max_len: int = 1024) -> DistillSet:

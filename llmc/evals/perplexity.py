@@ -7,6 +7,7 @@ import torch
 from tqdm import tqdm
 
 from llmc.errors import LlmcError
+from llmc.models.hub import require_hub
 
 HUB_TEXTS = {"wikitext2": ("wikitext", "wikitext-2-raw-v1", "test")}
 
@@ -29,6 +30,7 @@ def load_eval_text(dataset: str) -> str:
         return path.read_text(encoding="utf-8")
     if dataset not in HUB_TEXTS:
         raise LlmcError(f"perplexity data {dataset!r}: no such file, and not one of {sorted(HUB_TEXTS)}")
+    require_hub(f"perplexity data {dataset!r}", "pass a local text file instead (e.g. calib_data/smollm2_eval_text.txt)")
     import datasets
 
     name, config, split = HUB_TEXTS[dataset]

