@@ -93,6 +93,10 @@ class Recipe(StrictModel):
         if fmt == "awq" and (args.strategy != "group" or args.num_bits != 4):
             raise ValueError("export.format awq: needs num_bits 4 with strategy group")
 
+    def __eq__(self, other: object) -> bool:
+        """The same fields make the same recipe, wherever it was read from."""
+        return isinstance(other, Recipe) and self.model_dump() == other.model_dump()
+
     def field_error(self, location: tuple, error: LlmcError) -> LlmcError:
         """error, said of the recipe field at location, with its YAML line (or --set) when the recipe came from a file."""
         message = str(error)

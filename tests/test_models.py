@@ -7,6 +7,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 import llmc.models.spec as spec
 from llmc.errors import LlmcError
 from llmc.evals.perplexity import load_eval_text, perplexity
+from llmc.models import hub
 from llmc.models.spec import resolve_model
 
 
@@ -32,8 +33,11 @@ def test_missing_embedded_package_names_the_install_command(monkeypatch):
 def test_hub_id_offline_is_a_clean_error(monkeypatch, tmp_path):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     monkeypatch.setenv("HF_HOME", str(tmp_path))
-    with pytest.raises(LlmcError, match="could not fetch 'HuggingFaceTB/SmolLM2-135M-Instruct'"):
+    hub.hub_unreachable_reason.cache_clear()
+    with pytest.raises(LlmcError, match="model 'HuggingFaceTB/SmolLM2-135M-Instruct' comes from the Hugging Face hub, which "
+                                        "cannot be reached: HF_HUB_OFFLINE is set; pass a local HF folder or a .gguf file"):
         resolve_model("HuggingFaceTB/SmolLM2-135M-Instruct")
+    hub.hub_unreachable_reason.cache_clear()
 
 
 def test_perplexity_matches_transformers_loss(tiny_llama, eval_file):
