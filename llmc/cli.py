@@ -63,7 +63,7 @@ def quantize(recipe: Path, output: str | None, overrides: tuple[str, ...], overw
     from llmc.recipe import load_recipe
 
     loaded = load_recipe(recipe, list(overrides), output)
-    eval_inputs = resolve_eval_and_draft_inputs(loaded)  # before the pipeline's imports: a missing input fails fast
+    eval_inputs = resolve_eval_and_draft_inputs(loaded, overwrite)  # before the pipeline's imports: a missing input fails fast
     if not loaded.needs_calibration:
         unused = "; its calibration section only measures each layer's output error" if loaded.calibration else ""
         console.print(f"data-free: no stage of {recipe.name} needs calibration data{unused}")

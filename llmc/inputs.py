@@ -1,7 +1,9 @@
 """What a recipe names besides the model, resolved before the heavy work (and its heavy imports) start: a missing
 or unreachable input stops `llmc quantize` within seconds, with the field and YAML line that named it."""
 from collections.abc import Callable
+from pathlib import Path
 
+from llmc.artifact.output import check_output
 from llmc.errors import LlmcError
 from llmc.evals.inputs import EvalInputs, check_tasks, load_business_items, load_perplexity_text
 from llmc.prompts import check_prompt_files
@@ -16,10 +18,10 @@ def resolved(recipe: Recipe, location: tuple, load: Callable):
         raise recipe.field_error(location, error) from None
 
 
-
-def resolve_eval_and_draft_inputs(recipe: Recipe) -> EvalInputs:
-    """The eval data sets and tasks, and the draft prompt files: everything named besides the model and the
-    calibration set (which needs the model's tokenizer)."""
+def resolve_eval_and_draft_inputs(recipe: Recipe, overwrite: bool) -> EvalInputs:
+    """The output folder checked, then the eval data sets and tasks and the draft prompt files: everything the recipe
+    names besides the model and the calibration set (which needs the model's tokenizer)."""
+    check_output(Path(recipe.output), overwrite)
     settings = recipe.eval
     inputs = EvalInputs(resolved(recipe, ("eval", "perplexity", "dataset"), lambda: load_perplexity_text(settings)),
                         resolved(recipe, ("eval", "business", "dataset"), lambda: load_business_items(settings)),

@@ -12,7 +12,7 @@ from transformers import AutoConfig, AutoTokenizer
 
 import llmc
 from llmc.artifact.export import exporter_for
-from llmc.artifact.writer import ShardWriter, check_output, staged_folder, write_manifest
+from llmc.artifact.writer import ShardWriter, staged_folder, write_manifest
 from llmc.calib.data import load_calibration
 from llmc.calib.driver import build_skeleton, decoder_layers, decoder_linears, quantize_layerwise
 from llmc.evals.gate import GateFailed, require_gate_passed
@@ -38,12 +38,11 @@ def export_dtype(recipe: Recipe, config) -> torch.dtype:
 
 
 def run_quantize(recipe: Recipe, overwrite: bool = False, eval_inputs: EvalInputs | None = None) -> Path:
-    """eval_inputs: resolve_eval_and_draft_inputs(recipe), when the caller resolved them already."""
+    """eval_inputs: resolve_eval_and_draft_inputs(recipe, overwrite), when the caller resolved them already."""
     timings: dict[str, float] = {}
     started = time.perf_counter()
     output = Path(recipe.output)
-    check_output(output, overwrite)
-    eval_inputs = eval_inputs or resolve_eval_and_draft_inputs(recipe)
+    eval_inputs = eval_inputs or resolve_eval_and_draft_inputs(recipe, overwrite)
     folder = resolved(recipe, ("model",), lambda: resolve_model(recipe.model))
     config = AutoConfig.from_pretrained(folder)
     family = family_for(config)

@@ -51,7 +51,6 @@ def check_not_eval_set(path: Path) -> None:
         raise LlmcError(f"{path} looks like MT-bench, the evaluation set; train draft heads on other prompts")
 
 
-
 def check_prompt_files(files: list[str]) -> None:
     """Every draft-training prompt file readable, with prompts, and none of them the evaluation set."""
     for file in files:

@@ -13,17 +13,12 @@ from safetensors.torch import save_file
 from torch import nn
 
 from llmc.artifact.compressed_tensors import compressed_tensors_tensors
-from llmc.errors import LlmcError
+from llmc.artifact.output import check_output
 from llmc.quant.qtypes import QuantizedWeight
 
 PackLinear = Callable[[str, QuantizedWeight], dict[str, torch.Tensor]]
 MANIFEST = "llmc.json"
 INDEX = "model.safetensors.index.json"
-
-
-def check_output(output: Path, overwrite: bool) -> None:
-    if output.exists() and not overwrite:
-        raise LlmcError(f"output {output} already exists; remove it, choose --output, or pass --overwrite")
 
 
 @contextmanager

@@ -113,7 +113,7 @@ def quantize_layerwise(
                 if position == 0:
                     reference = outputs
             quantized |= modifier.process(work)
-        activations = {name: plan.input_activations[name] for name in linears if name in plan.input_activations}
+        activations = plan.layer_activations(linears)
         quantized = {name: replace(weight, input_activations=activations.get(name)) for name, weight in quantized.items()}
         error = None
         if runner:

@@ -11,7 +11,7 @@ from llmc.evals.perplexity import load_eval_text
 class EvalInputs:
     text: str | None = None
     items: list[BusinessItem] | None = None
-    tasks: list[str] | None = None
+    tasks: tuple | None = None  # resolve_tasks' (task names, lm-eval TaskManager)
 
 
 def load_perplexity_text(config: EvalConfig) -> str | None:
@@ -22,13 +22,12 @@ def load_business_items(config: EvalConfig) -> list[BusinessItem] | None:
     return load_business_set(config.business.dataset)[: config.business.limit] if config.business else None
 
 
-def check_tasks(config: EvalConfig) -> list[str] | None:
+def check_tasks(config: EvalConfig) -> tuple | None:
     if not config.tasks:
         return None
     from llmc.evals.lm_eval_model import resolve_tasks  # lm-eval is slow to import; only when asked
 
-    resolve_tasks(config.tasks.names)
-    return config.tasks.names
+    return resolve_tasks(config.tasks.names)
 
 
 def load_eval_inputs(config: EvalConfig) -> EvalInputs:

@@ -43,9 +43,11 @@ def resolve_tasks(names: list[str]) -> tuple[list[str], TaskManager]:
     return tasks, manager
 
 
-def run_lm_eval(loaded: LoadedModel, names: list[str], limit: float | None = None) -> dict:
-    """{task: {metric: value}} and which metrics are better when higher, for recovery."""
-    tasks, manager = resolve_tasks(names)
+def run_lm_eval(loaded: LoadedModel, names: list[str], limit: float | None = None,
+                resolved: tuple[list[str], TaskManager] | None = None) -> dict:
+    """{task: {metric: value}} and which metrics are better when higher, for recovery. resolved: resolve_tasks(names)
+    when the caller has it already."""
+    tasks, manager = resolved or resolve_tasks(names)
     logging.getLogger("lm_eval").setLevel(logging.ERROR)
     output = simple_evaluate(model=LlmcLM(loaded), tasks=tasks, limit=limit, task_manager=manager,
                              log_samples=False, bootstrap_iters=0)

@@ -38,35 +38,35 @@ def evaluate_specs(specs: list[str], config: EvalConfig, inputs: EvalInputs | No
 def evaluate_side_by_side(targets: list[EvalTarget], config: EvalConfig, inputs: EvalInputs | None = None) -> dict:
     """inputs: load_eval_inputs(config), when the caller resolved them already."""
     inputs = inputs or load_eval_inputs(config)
-    text, items = inputs.text, inputs.items
     report = {"baseline": targets[0].label, "settings": config.model_dump(mode="json", exclude={"gate"}), "targets": {}}
     base = None
     for target in targets:
-        measured = _measure(target, config, text, items)
+        measured = _measure(target, config, inputs)
         if base is None:
             base = measured
         else:
-            measured.report["vs_baseline"] = _compare(base, measured, items, target.label)
+            measured.report["vs_baseline"] = _compare(base, measured, inputs.items, target.label)
         report["targets"][target.label] = measured.report
     if config.gate is not None:
         report["gate"] = check_gate(report, config.gate).to_dict()
     return report
 
 
-def _measure(target: EvalTarget, config: EvalConfig, text: str | None, items: list[BusinessItem] | None) -> Measured:
+def _measure(target: EvalTarget, config: EvalConfig, inputs: EvalInputs) -> Measured:
     loaded = load_model(target.spec)
     report: dict = {"target": target.spec}
     if config.perplexity:
         settings = config.perplexity
-        report["perplexity"] = perplexity(loaded.model, loaded.tokenizer, text, settings.dataset, settings.seq_len,
+        report["perplexity"] = perplexity(loaded.model, loaded.tokenizer, inputs.text, settings.dataset, settings.seq_len,
                                           settings.max_windows, label=f"perplexity {target.label}").to_dict()
+    items = inputs.items
     business = run_business(make_generator(loaded), items, f"business {target.label}") if items else None
     if business:
         report["business"] = business.to_dict()
     if config.tasks:
         from llmc.evals.lm_eval_model import run_lm_eval  # lm-eval is slow to import; only when asked
 
-        report["lm_eval"] = run_lm_eval(loaded, config.tasks.names, config.tasks.limit)
+        report["lm_eval"] = run_lm_eval(loaded, config.tasks.names, config.tasks.limit, inputs.tasks)
     return Measured(loaded, report, business)
 
 

@@ -27,6 +27,9 @@ class QuantizationPlan:
     def layer_weights(self, linears: dict[str, nn.Linear]) -> dict[str, QuantArgs]:
         return {name: self.weights[name] for name in linears if name in self.weights}
 
+    def layer_activations(self, linears: dict[str, nn.Linear]) -> dict[str, QuantArgs]:
+        return {name: self.input_activations[name] for name in linears if name in self.input_activations}
+
 
 def build_plan(modifiers: list[Modifier], linears: dict[str, nn.Linear], kv_only: bool = False) -> QuantizationPlan:
     """The plan over `linears` (every decoder layer's, by full name); a Linear is quantized by at most one stage."""

@@ -38,9 +38,7 @@ async def merged(streams: list[AsyncIterator[RequestOutput]]) -> AsyncIterator[t
             task.cancel()
 
 
-
 Decode = Callable[[list[int]], str]
-
 
 
 def chat_logprobs(tokens: list[SampledToken], decode: Decode) -> dict:
@@ -51,14 +49,12 @@ def chat_logprobs(tokens: list[SampledToken], decode: Decode) -> dict:
     ]}
 
 
-
 def completion_logprobs(tokens: list[SampledToken], decode: Decode) -> dict:
     return {
         "tokens": [decode([t.token_id]) for t in tokens],
         "token_logprobs": [t.logprob for t in tokens],
         "top_logprobs": [{decode([i]): lp for i, lp in t.top_logprobs.items()} for t in tokens],
     }
-
 
 
 def logprobs_of(outputs: list[RequestOutput], decode: Decode, chat: bool) -> dict | None:
@@ -68,10 +64,8 @@ def logprobs_of(outputs: list[RequestOutput], decode: Decode, chat: bool) -> dic
     return chat_logprobs(tokens, decode) if chat else completion_logprobs(tokens, decode)
 
 
-
 def usage(prompt_tokens: int, completion_tokens: int) -> dict:
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens, "total_tokens": prompt_tokens + completion_tokens}
-
 
 
 def choice(index: int, outputs: list[RequestOutput], decode: Decode, chat: bool, delta: bool) -> dict:
@@ -87,17 +81,14 @@ def choice(index: int, outputs: list[RequestOutput], decode: Decode, chat: bool,
     return entry
 
 
-
 def response_header(model_name: str, chat: bool, stream: bool) -> dict:
     kind = ("chat.completion.chunk" if stream else "chat.completion") if chat else "text_completion"
     response_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
     return {"id": response_id, "object": kind, "created": int(time.time()), "model": model_name}
 
 
-
 def event(payload: dict) -> str:
     return f"data: {json.dumps(payload)}\n\n"
-
 
 
 async def sse(header: dict, streams: list[AsyncIterator[RequestOutput]], decode: Decode, prompt_tokens: int, chat: bool,
@@ -114,7 +105,6 @@ async def sse(header: dict, streams: list[AsyncIterator[RequestOutput]], decode:
     if include_usage:
         yield event(header | {"choices": [], "usage": usage(prompt_tokens, completion_tokens)})
     yield "data: [DONE]\n\n"
-
 
 
 def completed(header: dict, results: list[list[RequestOutput]], decode: Decode, prompt_tokens: int, chat: bool) -> dict:
