@@ -1,6 +1,12 @@
 import importlib.util
 import json
 import os
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -120,3 +126,35 @@ def write_recipe(path: Path, model: Path, output: Path, stage: str, calibration:
     )
     path.write_text(f"model: {model}\noutput: {output}\n{calibration_section}stages:\n{stage}")
     return path
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+@contextmanager
+def llmc_serve(artifact: Path, *options: str, timeout: float = 180) -> Iterator[tuple[subprocess.Popen, str]]:
+    """`llmc serve ARTIFACT OPTIONS` as a real subprocess on a free port, once /health answers: (process, base url).
+    Killed on the way out if still running."""
+    import httpx
+
+    port = free_port()
+    env = os.environ | {"PYTHONPATH": str(Path(__file__).resolve().parents[1]), "OMP_NUM_THREADS": "1"}
+    command = [sys.executable, "-m", "llmc", "serve", str(artifact), "--port", str(port), *options]
+    process = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    base, deadline = f"http://127.0.0.1:{port}", time.monotonic() + timeout
+    try:
+        while True:
+            assert process.poll() is None, process.stdout.read()
+            assert time.monotonic() < deadline, "llmc serve did not come up"
+            try:
+                if httpx.get(f"{base}/health").status_code == 200:
+                    break
+            except httpx.ConnectError:
+                time.sleep(0.2)
+        yield process, base
+    finally:
+        if process.poll() is None:
+            process.kill()

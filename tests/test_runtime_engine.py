@@ -155,6 +155,26 @@ def test_logprobs_are_the_model_distribution(llm, artifact):
     assert first.logprob == pytest.approx(float(expected.max()), abs=1e-4)
 
 
+def test_prompt_logprobs_are_transformers_through_chunks_preemption_and_a_warm_prefix_cache(artifact):
+    llm = engine(artifact, num_kv_blocks=12, max_num_batched_tokens=8)
+    llm.generate(PROMPTS[3:4], GREEDY)  # its prompt's blocks are cached: prompt logprobs must not skip them
+    lengths = [0, 64] * 4
+    outputs = llm.generate(PROMPTS, [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True, prompt_logprobs=3) for n in lengths])
+    assert llm.scheduler.num_preemptions > 0
+    assert [len(output["token_ids"]) for output in outputs] == lengths
+    loaded = load_model(str(artifact))
+    for prompt, output in zip(PROMPTS, outputs):
+        ids = loaded.tokenizer.encode(prompt, add_special_tokens=False)
+        with torch.no_grad():
+            expected = loaded.model(torch.tensor([ids])).logits[0, :-1].log_softmax(-1)
+        entries = output["prompt_logprobs"]
+        assert entries[0] is None and [entry.token_id for entry in entries[1:]] == ids[1:]
+        torch.testing.assert_close(torch.tensor([entry.logprob for entry in entries[1:]]), expected[torch.arange(len(ids) - 1), ids[1:]],
+                                   rtol=1e-4, atol=1e-4)
+        assert [list(entry.top_logprobs) for entry in entries[1:]] == expected.topk(3).indices.tolist()
+    assert_no_blocks_in_use(llm)
+
+
 def test_abort_frees_blocks_and_bad_requests_are_clear_errors(llm):
     seq = llm.add_request(PROMPTS[1], GREEDY)
     llm.step()

@@ -1,13 +1,9 @@
 import asyncio
 import json
-import os
 import signal
 import socket
-import subprocess
-import sys
 import threading
 import time
-from pathlib import Path
 from types import SimpleNamespace
 
 import httpx
@@ -15,7 +11,7 @@ import openai
 import pytest
 import torch
 import uvicorn
-from conftest import CORPUS, write_recipe
+from conftest import CORPUS, llmc_serve, write_recipe
 
 from llmc.pipeline import run_quantize
 from llmc.recipe import load_recipe
@@ -117,6 +113,29 @@ def test_n_choices_differ_repeat_with_their_seeds_and_stream_alike(server):
     assert [choice.delta.role for choice in chunks[0].choices] == ["assistant", "assistant"]
     assert ["".join(choice.delta.content or "" for chunk in chunks for choice in chunk.choices if choice.index == index)
             for index in (0, 1)] == answers
+    wait_until(lambda: idle(server))
+
+
+def test_echo_returns_the_prompt_with_its_logprobs_as_lm_eval_scores_them(server):
+    tokens = server.llm.tokenize(PROMPT)
+    offline = server.llm.generate([tokens], SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=1))[0]
+    scored = server.client.completions.create(model="tiny", prompt=[tokens], max_tokens=1, temperature=0, logprobs=1, echo=True)
+    choice = scored.choices[0]
+    assert choice.text.startswith(server.llm.tokenizer.decode(tokens)) and len(choice.logprobs.tokens) == len(tokens) + 1
+    assert choice.logprobs.token_logprobs[0] is None and choice.logprobs.top_logprobs[0] is None
+    assert choice.logprobs.token_logprobs[1:-1] == pytest.approx([entry.logprob for entry in offline["prompt_logprobs"][1:]], abs=1e-5)
+    tops, logprobs = choice.logprobs.top_logprobs[1:], choice.logprobs.token_logprobs[1:]
+    assert all(max(top.values()) >= logprob - 1e-6 for top, logprob in zip(tops, logprobs))
+    only_prompt = server.client.completions.create(model="tiny", prompt=PROMPT, max_tokens=0, logprobs=0, echo=True)
+    assert only_prompt.choices[0].text == PROMPT and only_prompt.usage.completion_tokens == 0
+    assert only_prompt.choices[0].finish_reason == "length" and len(only_prompt.choices[0].logprobs.token_logprobs) == len(tokens)
+    streamed = list(server.client.completions.create(model="tiny", prompt=PROMPT, max_tokens=3, temperature=0, echo=True, stream=True))
+    assert streamed[0].choices[0].text.startswith(PROMPT)
+    assert "".join(chunk.choices[0].text for chunk in streamed) == PROMPT + server.client.completions.create(
+        model="tiny", prompt=PROMPT, max_tokens=3, temperature=0).choices[0].text
+    refused = httpx.post(f"{server.base}/v1/completions", json={"prompt": PROMPT, "max_tokens": 0},
+                         headers={"Authorization": f"Bearer {API_KEY}"})
+    assert refused.status_code == 400 and "max_tokens 0" in refused.json()["error"]["message"]
     wait_until(lambda: idle(server))
 
 
@@ -250,24 +269,7 @@ def test_soak_with_cancellations_leaks_no_blocks(server):
 
 
 def test_llmc_serve_finishes_running_requests_on_sigterm(artifact):
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
-    env = os.environ | {"PYTHONPATH": str(Path(__file__).resolve().parents[1]), "OMP_NUM_THREADS": "1"}
-    command = [sys.executable, "-m", "llmc", "serve", str(artifact), "--port", str(port), "--dtype", "float32",
-               "--kv-cache-gib", "0.01", "--served-model-name", "tiny"]
-    process = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    base = f"http://127.0.0.1:{port}"
-
-    def healthy() -> bool:
-        assert process.poll() is None, process.stdout.read()
-        try:
-            return httpx.get(f"{base}/health").status_code == 200
-        except httpx.ConnectError:
-            return False
-
-    try:
-        wait_until(healthy, timeout=180)
+    with llmc_serve(artifact, "--dtype", "float32", "--kv-cache-gib", "0.01", "--served-model-name", "tiny") as (process, base):
         body = {"model": "tiny", "prompt": PROMPT, "max_tokens": 400, "stream": True, "ignore_eos": True}
         with httpx.stream("POST", f"{base}/v1/completions", json=body, timeout=120) as response:
             lines = (line for line in response.iter_lines() if line)
@@ -279,9 +281,6 @@ def test_llmc_serve_finishes_running_requests_on_sigterm(artifact):
         # uvicorn re-raises the signal it captured once the graceful shutdown is done
         assert process.wait(timeout=120) in (0, -signal.SIGTERM)
         assert "Finished server process" in process.stdout.read()
-    finally:
-        if process.poll() is None:
-            process.kill()
 
 
 def test_bench_against_the_url_with_poisson_arrivals(server):

@@ -33,6 +33,7 @@ class RequestOutput:
     new_logprobs: list[SampledToken] = field(default_factory=list)
     finish_reason: str | None = None  # "stop", "length" or "abort" once finished
     num_prompt_tokens: int = 0
+    prompt_logprobs: list[SampledToken | None] | None = None  # on a request's first output, when its params ask
 
 
 class LLMEngine:
@@ -108,6 +109,9 @@ class LLMEngine:
             if tokens:  # K/V past the accepted drafts is stale, and their slots are given back
                 seq.num_computed_tokens = min(seq.num_computed_tokens, len(seq) + len(tokens) - 1)
             self.block_manager.cache_full_blocks(seq)
+            if tokens and seq.params.max_tokens == 0:
+                outputs.append(self._finish_at_prompt(seq))
+                continue
             for token in tokens:
                 outputs.append(self._append(seq, token))
                 if seq.is_finished:
@@ -115,6 +119,21 @@ class LLMEngine:
             if not seq.is_finished:
                 self.block_manager.trim(seq)
         return outputs
+
+    def _finish(self, seq: Sequence, reason: str) -> None:
+        self.block_manager.cache_full_blocks(seq)
+        self.scheduler.finish(seq, reason)
+        del self.sequences[seq.request_id]
+
+    def _finish_at_prompt(self, seq: Sequence) -> RequestOutput:
+        """A request for nothing past its prompt (max_tokens 0: its prompt logprobs, say) ends once the prompt is in."""
+        self._finish(seq, "length")
+        return RequestOutput(seq.request_id, [], "", finish_reason="length", num_prompt_tokens=seq.num_prompt_tokens,
+                             prompt_logprobs=self._prompt_logprobs(seq))
+
+    @staticmethod
+    def _prompt_logprobs(seq: Sequence) -> list[SampledToken | None] | None:
+        return seq.prompt_logprobs if seq.params.prompt_logprobs is not None else None
 
     def _append(self, seq: Sequence, token: SampledToken) -> RequestOutput:
         params = seq.params
@@ -131,9 +150,7 @@ class LLMEngine:
         if hits:
             seq.text, reason = seq.text[: min(hits)], "stop"
         if reason:
-            self.block_manager.cache_full_blocks(seq)
-            self.scheduler.finish(seq, reason)
-            del self.sequences[seq.request_id]
+            self._finish(seq, reason)
             visible_end = len(seq.text)
         else:  # hold back what may still become a stop string or complete a multi-byte character
             holdback = max((len(stop) - 1 for stop in params.stop), default=0)
@@ -147,6 +164,7 @@ class LLMEngine:
             new_logprobs=[token] if params.logprobs is not None else [],
             finish_reason=reason,
             num_prompt_tokens=seq.num_prompt_tokens,
+            prompt_logprobs=self._prompt_logprobs(seq) if seq.num_output_tokens == 1 else None,
         )
 
     def generate(self, prompts: list[str | list[int]], params: SamplingParams | list[SamplingParams]) -> list[dict]:
@@ -156,6 +174,7 @@ class LLMEngine:
         while self.has_unfinished():
             self.step()
         return [
-            {"text": seq.text, "token_ids": seq.output_token_ids, "finish_reason": seq.finish_reason, "logprobs": seq.logprobs}
+            {"text": seq.text, "token_ids": seq.output_token_ids, "finish_reason": seq.finish_reason, "logprobs": seq.logprobs,
+             "prompt_logprobs": self._prompt_logprobs(seq)}
             for seq in seqs
         ]

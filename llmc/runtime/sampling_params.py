@@ -14,6 +14,7 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     logprobs: int | None = None  # number of top alternatives returned with each sampled token's logprob
+    prompt_logprobs: int | None = None  # the same for each prompt token after the first; None: not computed
 
     def __post_init__(self) -> None:
         if self.temperature < 0:
@@ -22,10 +23,12 @@ class SamplingParams:
             raise LlmcError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.top_k < 0:
             raise LlmcError(f"top_k must be >= 0, got {self.top_k}")
-        if self.max_tokens < 1:
-            raise LlmcError(f"max_tokens must be >= 1, got {self.max_tokens}")
-        if self.logprobs is not None and not 0 <= self.logprobs <= 20:
-            raise LlmcError(f"logprobs must be between 0 and 20, got {self.logprobs}")
+        if self.max_tokens < 0:
+            raise LlmcError(f"max_tokens must be >= 0, got {self.max_tokens}")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and not 0 <= value <= 20:
+                raise LlmcError(f"{name} must be between 0 and 20, got {value}")
         if any(not text for text in self.stop):
             raise LlmcError("stop strings must not be empty")
 

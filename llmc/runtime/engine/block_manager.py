@@ -39,7 +39,7 @@ class BlockManager:
         return self.num_blocks - self.num_free_blocks
 
     def _cached_prefix(self, seq: Sequence) -> list[int]:
-        if not self.enable_prefix_caching:
+        if not self.enable_prefix_caching or seq.params.prompt_logprobs is not None:  # those need every prompt token computed
             return []
         block_ids, parent_hash = [], None
         for index in range((len(seq) - 1) // self.block_size):  # the last token is always computed

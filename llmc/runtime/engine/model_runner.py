@@ -10,12 +10,13 @@ from llmc.runtime.engine.config import EngineConfig
 from llmc.runtime.engine.cuda_graphs import DecodeGraphs
 from llmc.runtime.engine.sequence import Sequence
 from llmc.runtime.layers.attention import AttentionMetadata, DecodeRows, decode_buckets
-from llmc.runtime.layers.sampler import SampledToken, sample
+from llmc.runtime.layers.sampler import SampledToken, sample, token_logprobs
 from llmc.runtime.models.llama import LlamaForCausalLM
 from llmc.runtime.models.loader import WeightLoader
 
 logger = logging.getLogger(__name__)
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
+PROMPT_LOGPROBS_ROWS = 256  # prompt rows turned into vocabulary-wide logprobs at once, to bound the memory it takes
 
 
 class Speculator(Protocol):
@@ -165,6 +166,24 @@ class ModelRunner:
                 seq.hidden_states.clear()
             seq.hidden_states.append(states.float())
 
+    def _record_prompt_logprobs(self, seqs: list[Sequence], hidden: torch.Tensor) -> None:
+        """For sequences that ask for them, the logprobs of the prompt tokens this step's chunk predicts (each row
+        predicts the next position's token); a preempted sequence's recomputed rows are not recorded twice."""
+        rows, targets, end = [], [], 0
+        for seq in seqs:
+            start, end = end, end + seq.num_scheduled_tokens
+            if seq.params.prompt_logprobs is None:
+                continue
+            # the row at position p predicts the token at p + 1; prompt positions only, from the first missing one
+            first, last = len(seq.prompt_logprobs), min(seq.num_prompt_tokens, seq.num_computed_tokens + end - start + 1)
+            rows += range(start + first - 1 - seq.num_computed_tokens, start + last - 1 - seq.num_computed_tokens)
+            targets += [(seq, token_id) for token_id in seq.token_ids[first:last]]
+        for first in range(0, len(rows), PROMPT_LOGPROBS_ROWS):
+            chunk = rows[first : first + PROMPT_LOGPROBS_ROWS]
+            logprobs = self.model.compute_logits(hidden[torch.tensor(chunk, device=self.device)]).float().log_softmax(-1)
+            for row_logprobs, (seq, token_id) in zip(logprobs, targets[first : first + PROMPT_LOGPROBS_ROWS]):
+                seq.prompt_logprobs.append(token_logprobs(token_id, row_logprobs, seq.params.prompt_logprobs))
+
     @torch.inference_mode()
     def run(self, seqs: list[Sequence]) -> dict[Sequence, list[SampledToken]]:
         """Compute the scheduled tokens of every sequence; sample for those whose scheduled chunk reaches their last
@@ -172,6 +191,7 @@ class ModelRunner:
         seqs = sorted(seqs, key=lambda seq: seq.num_uncomputed_tokens > 1)  # decodes (with their drafts) first
         started = time.perf_counter()
         hidden = self.forward(seqs)
+        self._record_prompt_logprobs(seqs, hidden)
         if self.speculator is not None:
             return self.speculator.step(seqs, hidden, started)
         if self.keep_hidden_states:

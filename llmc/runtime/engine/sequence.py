@@ -6,6 +6,7 @@ import torch
 
 from llmc.runtime.cdiv import cdiv
 from llmc.runtime.engine.draft_tree import DraftTree
+from llmc.runtime.layers.sampler import SampledToken
 from llmc.runtime.sampling_params import SamplingParams
 
 
@@ -32,7 +33,9 @@ class Sequence:
         self.draft = DraftTree()  # proposed continuations, verified (and mostly replaced) by the next step
         self.params = params
         self.generator = torch.Generator().manual_seed(params.seed) if params.seed is not None else None
-        self.logprobs: list[dict] = []
+        self.logprobs: list[SampledToken] = []
+        # with params.prompt_logprobs: each prompt token's under the tokens before it (none for the first)
+        self.prompt_logprobs: list[SampledToken | None] = [None]
         self.hidden_states: list[torch.Tensor] = []  # with EngineConfig.keep_hidden_states: one chunk a step, in order
         self.text = ""  # the decoded output, cut at a stop string
         self.num_emitted_chars = 0  # how much of text has been streamed out

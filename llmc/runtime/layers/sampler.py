@@ -36,15 +36,17 @@ def sampling_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor
     return _filtered_logits(logits.float(), params).softmax(-1)
 
 
+def token_logprobs(token_id: int, logprobs: torch.Tensor, num_top: int) -> SampledToken:
+    """token_id with its logprob and the num_top most likely tokens', from a row of log-softmaxed logits."""
+    top = torch.topk(logprobs, num_top)
+    return SampledToken(token_id, float(logprobs[token_id]), dict(zip(top.indices.tolist(), top.values.tolist())))
+
+
 def sampled_token(token_id: int, logits: torch.Tensor, params: SamplingParams) -> SampledToken:
     """The token with the logprobs the request asked for, from its row of logits."""
-    token = SampledToken(token_id)
-    if params.logprobs is not None:
-        logprobs = logits.float().log_softmax(-1)
-        token.logprob = float(logprobs[token_id])
-        top = torch.topk(logprobs, params.logprobs) if params.logprobs else None
-        token.top_logprobs = dict(zip(top.indices.tolist(), top.values.tolist())) if top is not None else {}
-    return token
+    if params.logprobs is None:
+        return SampledToken(token_id)
+    return token_logprobs(token_id, logits.float().log_softmax(-1), params.logprobs)
 
 
 def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None]) -> list[SampledToken]:

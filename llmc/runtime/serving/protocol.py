@@ -77,9 +77,18 @@ class SamplingRequest(BaseModel):
                 stop_token_ids=self.stop_token_ids,
                 ignore_eos=self.ignore_eos,
                 logprobs=self.num_logprobs(),
+                prompt_logprobs=self.num_prompt_logprobs(),
             )
             for choice in range(self.n)
         ]
+
+    def num_prompt_logprobs(self) -> int | None:
+        """Top alternatives to return with each prompt token's logprob; None: the prompt's are not returned."""
+        return None
+
+    @property
+    def echoes_prompt(self) -> bool:
+        return False
 
     @property
     def include_usage(self) -> bool:
@@ -88,19 +97,31 @@ class SamplingRequest(BaseModel):
 
 class CompletionRequest(SamplingRequest):
     prompt: str | list[str] | list[int] | list[list[int]]
-    max_tokens: int | None = Field(default=COMPLETION_MAX_TOKENS, ge=1)
+    max_tokens: int | None = Field(default=COMPLETION_MAX_TOKENS, ge=0)  # 0, with echo: score the prompt only
     logprobs: int | None = Field(default=None, ge=0, le=20)
     echo: bool = False
 
+    @model_validator(mode="after")
+    def _nothing_to_generate_needs_echo(self) -> "CompletionRequest":
+        if self.max_tokens == 0 and not self.echo:
+            raise LlmcError("max_tokens 0 asks for nothing unless echo is true (the prompt and its logprobs come back)")
+        return self
+
     def resolved_max_tokens(self, prompt_len: int, max_model_len: int) -> int:
-        return self.check_fits(prompt_len, max_model_len, self.max_tokens or COMPLETION_MAX_TOKENS)  # null: the default
+        max_tokens = COMPLETION_MAX_TOKENS if self.max_tokens is None else self.max_tokens  # null: the default
+        return self.check_fits(prompt_len, max_model_len, max_tokens)
 
     def num_logprobs(self) -> int | None:
         return self.logprobs
 
+    def num_prompt_logprobs(self) -> int | None:
+        return self.logprobs if self.echo else None
+
+    @property
+    def echoes_prompt(self) -> bool:
+        return self.echo
+
     def prompts(self) -> list[str | list[int]]:
-        if self.echo:
-            raise LlmcError("echo is not supported")
         prompt = self.prompt
         if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)):
             return [prompt]

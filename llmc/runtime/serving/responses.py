@@ -6,6 +6,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Callable
 from contextlib import aclosing
+from dataclasses import replace
 
 from llmc.runtime.layers.sampler import SampledToken
 from llmc.runtime.llm_engine import RequestOutput
@@ -50,11 +51,24 @@ def chat_logprobs(tokens: list[SampledToken], decode: Decode) -> dict:
 
 
 def completion_logprobs(tokens: list[SampledToken], decode: Decode) -> dict:
+    """An echoed prompt's first token has no logprob (nothing comes before it): null, as in OpenAI's and vLLM's."""
     return {
         "tokens": [decode([t.token_id]) for t in tokens],
         "token_logprobs": [t.logprob for t in tokens],
-        "top_logprobs": [{decode([i]): lp for i, lp in t.top_logprobs.items()} for t in tokens],
+        "top_logprobs": [None if t.top_logprobs is None else {decode([i]): lp for i, lp in t.top_logprobs.items()} for t in tokens],
     }
+
+
+async def echoed(outputs: AsyncIterator[RequestOutput], prompt: list[int], decode: Decode) -> AsyncIterator[RequestOutput]:
+    """The stream with the prompt in front of its first output: the prompt's text, and its tokens' logprobs when the
+    request computed them."""
+    first = True
+    async for output in outputs:
+        if first:
+            prompt_logprobs = [] if output.prompt_logprobs is None else [SampledToken(prompt[0])] + output.prompt_logprobs[1:]
+            output = replace(output, new_text=decode(prompt) + output.new_text, new_logprobs=prompt_logprobs + output.new_logprobs)
+            first = False
+        yield output
 
 
 def logprobs_of(outputs: list[RequestOutput], decode: Decode, chat: bool) -> dict | None:

@@ -17,7 +17,7 @@ from llmc.runtime.llm_engine import LLMEngine, RequestOutput
 from llmc.runtime.serving.async_engine import AsyncLLMEngine, EngineBusy
 from llmc.runtime.serving.metrics import ServerMetrics
 from llmc.runtime.serving.protocol import ChatCompletionRequest, CompletionRequest, SamplingRequest
-from llmc.runtime.serving.responses import completed, response_header, sse
+from llmc.runtime.serving.responses import completed, echoed, response_header, sse
 
 DISCONNECT_POLL_SECONDS = 0.25
 
@@ -144,6 +144,8 @@ async def respond(request: Request, state: ServerState, body: SamplingRequest, p
     max_model_len, decode = state.llm.max_model_len, state.llm.tokenizer.decode
     requests = [(prompt, params) for prompt in prompts for params in body.sampling_params(len(prompt), max_model_len)]
     streams = [timed(stream, start, state.metrics) for stream in state.engine.submit(requests)]
+    if body.echoes_prompt:
+        streams = [echoed(stream, prompt, decode) for (prompt, _), stream in zip(requests, streams)]
     prompt_tokens = sum(map(len, prompts))
     if body.stream:
         return StreamingResponse(sse(header, streams, decode, prompt_tokens, chat, body.include_usage), media_type="text/event-stream")
