@@ -128,6 +128,24 @@ def write_recipe(path: Path, model: Path, output: Path, stage: str, calibration:
     return path
 
 
+@pytest.fixture(scope="session")
+def distilled(tmp_path_factory, tiny_llama, calib_file):
+    from llmc.draft.data import self_distill
+
+    return self_distill(tiny_llama, calib_file, 6, 24, tmp_path_factory.mktemp("distill-parts"))
+
+
+@pytest.fixture(scope="session")
+def trained(tmp_path_factory, distilled) -> tuple[Path, list[list[int]]]:
+    """Medusa heads trained on the tiny model's own answers, and the prompts (as token ids) they were trained on."""
+    from llmc.draft.build import train_medusa
+    from llmc.draft.config import DraftConfig
+
+    folder = tmp_path_factory.mktemp("draft")
+    train_medusa(distilled, DraftConfig(num_heads=3, steps=150, batch_size=64, lr=1e-2), folder)
+    return folder, [ids[:start] for ids, start in zip(distilled.token_ids, distilled.answer_starts)]
+
+
 def free_port() -> int:
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))

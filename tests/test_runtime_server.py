@@ -7,6 +7,7 @@ import time
 from types import SimpleNamespace
 
 import httpx
+import jsonschema
 import openai
 import pytest
 import torch
@@ -139,6 +140,30 @@ def test_echo_returns_the_prompt_with_its_logprobs_as_lm_eval_scores_them(server
     wait_until(lambda: idle(server))
 
 
+def test_response_format_constrains_both_endpoints_and_a_bad_schema_is_a_400(server):
+    schema = {"type": "object", "properties": {"city": {"enum": ["Paris", "Rome"]}, "days": {"type": "integer", "minimum": 1,
+              "maximum": 9}}, "required": ["city", "days"], "additionalProperties": False}
+    response_format = {"type": "json_schema", "json_schema": {"name": "trip", "schema": schema, "strict": True}}
+    messages = [{"role": "user", "content": PROMPT}]
+    chat = server.client.chat.completions.create(model="tiny", messages=messages, response_format=response_format, n=3,
+                                                 temperature=1.0, seed=3, max_tokens=60)
+    completion = server.client.completions.create(model="tiny", prompt=PROMPT, max_tokens=60, temperature=0,
+                                                  extra_body={"response_format": response_format})
+    texts = [choice.message.content for choice in chat.choices] + [completion.choices[0].text]
+    for text in texts:
+        jsonschema.validate(json.loads(text), schema)
+    streamed = server.client.chat.completions.create(model="tiny", messages=messages, response_format={"type": "json_object"},
+                                                     temperature=0, max_tokens=200, stream=True)
+    text = "".join(chunk.choices[0].delta.content or "" for chunk in streamed if chunk.choices)
+    assert text.startswith("{")
+    bad = post(server, "chat/completions", {"messages": messages, "response_format": {"type": "json_schema", "json_schema": {
+        "name": "bad", "schema": {"type": "no-such-type"}}}})
+    assert bad.status_code == 400 and bad.json()["error"]["message"].startswith("response_format: cannot be compiled")
+    missing = post(server, "chat/completions", {"messages": messages, "response_format": {"type": "json_schema"}})
+    assert missing.status_code == 400 and "json_schema is required" in missing.json()["error"]["message"]
+    wait_until(lambda: idle(server))
+
+
 def test_models_health_and_metrics(server):
     assert [model.id for model in server.client.models.list().data] == ["tiny"]
     assert httpx.get(f"{server.base}/health").status_code == 200
@@ -175,14 +200,14 @@ def post(server, path: str, body: dict) -> httpx.Response:
 
 
 @pytest.mark.parametrize("field, value", [("tools", [{"type": "function", "function": {"name": "f"}}]),
-                                          ("response_format", {"type": "json_object"}), ("frequency_penalty", 0.5),
+                                          ("presence_penalty", 0.3), ("frequency_penalty", 0.5),
                                           ("logit_bias", {"5": 10}), ("best_of", 3)])
 def test_fields_llmc_does_not_implement_are_refused_by_name(server, field, value):
-    chat = field in ("tools", "response_format")
+    chat = field == "tools"
     body = {"model": "tiny", "max_tokens": 2} | ({"messages": [{"role": "user", "content": PROMPT}]} if chat else {"prompt": PROMPT})
     response = post(server, "chat/completions" if chat else "completions", body | {field: value})
     assert response.status_code == 400 and response.json()["error"]["message"] == f"{field} is not supported by llmc serve"
-    neutral = {"tools": [], "response_format": {"type": "text"}, "frequency_penalty": 0, "logit_bias": {}, "best_of": 1}[field]
+    neutral = {"tools": [], "presence_penalty": 0, "frequency_penalty": 0, "logit_bias": {}, "best_of": 1}[field]
     assert post(server, "chat/completions" if chat else "completions", body | {field: neutral}).status_code == 200
 
 

@@ -6,9 +6,8 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
-from llmc.draft.build import train_eagle, train_medusa
+from llmc.draft.build import train_eagle
 from llmc.draft.config import DraftConfig
-from llmc.draft.data import DistillSet, self_distill
 from llmc.runtime.engine.config import EngineConfig
 from llmc.runtime.engine.draft_tree import ROOT, DraftTree
 from llmc.runtime.layers.linear import Int8CpuLinear
@@ -17,19 +16,6 @@ from llmc.runtime.sampling_params import SamplingParams
 from llmc.runtime.speculative.acceptance import greedy_accept, rejection_sample
 from llmc.runtime.speculative.governor import DraftGovernor
 from llmc.runtime.speculative.proposers import Observed, add_level, most_probable_nodes
-
-
-@pytest.fixture(scope="module")
-def distilled(tmp_path_factory, tiny_llama, calib_file) -> DistillSet:
-    return self_distill(tiny_llama, calib_file, 6, 24, tmp_path_factory.mktemp("distill-parts"))
-
-
-@pytest.fixture(scope="module")
-def trained(tmp_path_factory, distilled) -> tuple[Path, list[list[int]]]:
-    """Heads trained on the tiny model's own answers, and the prompts (as token ids) they were trained on."""
-    folder = tmp_path_factory.mktemp("draft")
-    train_medusa(distilled, DraftConfig(num_heads=3, steps=150, batch_size=64, lr=1e-2), folder)
-    return folder, [ids[:start] for ids, start in zip(distilled.token_ids, distilled.answer_starts)]
 
 
 @pytest.fixture(scope="module")

@@ -7,6 +7,7 @@ from transformers import AutoConfig, AutoTokenizer
 from llmc.errors import LlmcError
 from llmc.runtime.engine.block_manager import BlockManager
 from llmc.runtime.engine.config import EngineConfig
+from llmc.runtime.engine.grammar import GrammarCompiler
 from llmc.runtime.engine.model_runner import ModelRunner
 from llmc.runtime.engine.scheduler import Scheduler
 from llmc.runtime.engine.sequence import Sequence
@@ -63,6 +64,7 @@ class LLMEngine:
         self.scheduler = Scheduler(config, self.block_manager)
         self.sequences: dict[str, Sequence] = {}
         self.eos_token_ids = eos_ids
+        self.grammars = GrammarCompiler(tokenizer, runner.hf_config.vocab_size, eos_ids)
 
     def tokenize(self, prompt: str | list[int]) -> list[int]:
         return self.tokenizer.encode(prompt, add_special_tokens=False) if isinstance(prompt, str) else list(prompt)
@@ -75,12 +77,19 @@ class LLMEngine:
         if any(not 0 <= token < self.runner.hf_config.vocab_size for token in token_ids):
             raise LlmcError(f"prompt token ids must be in [0, {self.runner.hf_config.vocab_size})")
 
+    def check_structured_output(self, params: SamplingParams) -> None:
+        """A 400 before queueing for a schema the grammar compiler refuses (compiled once: it is cached)."""
+        if params.structured_output is not None:
+            self.grammars.compile(params.structured_output)
+
     def add_request(self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None) -> Sequence:
         token_ids = self.tokenize(prompt)
         self.check_prompt(token_ids)
         seq = Sequence(token_ids, params, self.config.block_size, request_id)
         if seq.request_id in self.sequences:
             raise LlmcError(f"request id {seq.request_id!r} is already in use")
+        if params.structured_output is not None:
+            seq.grammar = self.grammars.matcher(params.structured_output)
         self.sequences[seq.request_id] = seq
         self.scheduler.add(seq)
         return seq
@@ -138,11 +147,15 @@ class LLMEngine:
     def _append(self, seq: Sequence, token: SampledToken) -> RequestOutput:
         params = seq.params
         seq.append_token(token.token_id)
+        if seq.grammar is not None and not seq.grammar.accept_token(token.token_id):
+            raise RuntimeError(f"token {token.token_id} was sampled against the grammar of request {seq.request_id}")
         if params.logprobs is not None:
             seq.logprobs.append(token)
         seq.text = self.tokenizer.decode(seq.output_token_ids, skip_special_tokens=True)
         reason = None
         if token.token_id in params.stop_token_ids or (token.token_id in self.eos_token_ids and not params.ignore_eos):
+            reason = "stop"
+        elif seq.grammar is not None and seq.grammar.is_terminated():
             reason = "stop"
         elif seq.num_output_tokens >= params.max_tokens or len(seq) >= self.max_model_len:
             reason = "length"

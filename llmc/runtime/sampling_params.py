@@ -1,6 +1,7 @@
 from dataclasses import dataclass, field
 
 from llmc.errors import LlmcError
+from llmc.runtime.structured_output import StructuredOutput
 
 
 @dataclass(slots=True)
@@ -15,6 +16,7 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None  # number of top alternatives returned with each sampled token's logprob
     prompt_logprobs: int | None = None  # the same for each prompt token after the first; None: not computed
+    structured_output: StructuredOutput | None = None  # None: unconstrained
 
     def __post_init__(self) -> None:
         if self.temperature < 0:

@@ -8,6 +8,7 @@ from llmc.errors import LlmcError
 from llmc.runtime.cdiv import cdiv
 from llmc.runtime.engine.config import EngineConfig
 from llmc.runtime.engine.cuda_graphs import DecodeGraphs
+from llmc.runtime.engine.grammar import masked_logits
 from llmc.runtime.engine.sequence import Sequence
 from llmc.runtime.layers.attention import AttentionMetadata, DecodeRows, decode_buckets
 from llmc.runtime.layers.sampler import SampledToken, sample, token_logprobs
@@ -205,5 +206,7 @@ class ModelRunner:
         if not sampling_seqs:
             return {}
         logits = self.model.compute_logits(hidden[torch.tensor(rows, device=self.device)])
-        tokens = sample(logits, [seq.params for seq in sampling_seqs], [seq.generator for seq in sampling_seqs])
+        grammars = [seq.grammar for seq in sampling_seqs]
+        constrained = masked_logits(logits, grammars) if any(grammar is not None for grammar in grammars) else None
+        tokens = sample(logits, [seq.params for seq in sampling_seqs], [seq.generator for seq in sampling_seqs], constrained)
         return {seq: [token] for seq, token in zip(sampling_seqs, tokens)}

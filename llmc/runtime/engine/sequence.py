@@ -33,6 +33,7 @@ class Sequence:
         self.draft = DraftTree()  # proposed continuations, verified (and mostly replaced) by the next step
         self.params = params
         self.generator = torch.Generator().manual_seed(params.seed) if params.seed is not None else None
+        self.grammar = None  # an xgrammar matcher over the output so far, when params.structured_output constrains it
         self.logprobs: list[SampledToken] = []
         # with params.prompt_logprobs: each prompt token's under the tokens before it (none for the first)
         self.prompt_logprobs: list[SampledToken | None] = [None]

@@ -49,15 +49,18 @@ def sampled_token(token_id: int, logits: torch.Tensor, params: SamplingParams) -
     return token_logprobs(token_id, logits.float().log_softmax(-1), params.logprobs)
 
 
-def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None]) -> list[SampledToken]:
-    """logits [num_seqs, vocab] -> one token per row: argmax when greedy, else drawn with the row's generator."""
-    greedy = greedy_tokens(logits)
+def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None],
+           constrained: torch.Tensor | None = None) -> list[SampledToken]:
+    """logits [num_seqs, vocab] -> one token per row: argmax when greedy, else drawn with the row's generator.
+    constrained: the logits with each row masked to what its grammar allows, to choose from; logprobs stay the model's."""
+    choose_from = logits if constrained is None else constrained
+    greedy = greedy_tokens(choose_from)
     sampled = []
     for row, (row_params, generator) in enumerate(zip(params, generators)):
         if row_params.greedy:
             token_id = greedy[row]
         else:
-            probs = sampling_probs(logits[row], row_params)
+            probs = sampling_probs(choose_from[row], row_params)
             if generator is not None:  # seeded generators live on the CPU: the same seed draws the same tokens on any device
                 probs = probs.to(generator.device)
             token_id = int(torch.multinomial(probs, 1, generator=generator))

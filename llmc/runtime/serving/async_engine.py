@@ -43,8 +43,9 @@ class AsyncLLMEngine:
             raise LlmcError(f"the request asks for {len(requests)} sequences; this server holds at most {self.max_requests}")
         if self.num_requests + len(requests) > self.max_requests:
             raise EngineBusy(f"the server is at capacity ({self.max_requests} requests); retry later")
-        for token_ids, _ in requests:
+        for token_ids, params in requests:
             self.engine.check_prompt(token_ids)
+            self.engine.check_structured_output(params)
         streams = []
         for token_ids, params in requests:
             request_id, stream = uuid.uuid4().hex, asyncio.Queue()

@@ -1,10 +1,12 @@
 """The OpenAI request bodies the server accepts, and their translation into SamplingParams."""
-from typing import Any
+import json
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from llmc.errors import LlmcError
 from llmc.runtime.sampling_params import SamplingParams
+from llmc.runtime.structured_output import StructuredOutput
 
 COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 # OpenAI fields llmc does not implement, with the values that ask for nothing: sent with one of those they pass,
@@ -12,9 +14,38 @@ COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 NOT_IMPLEMENTED: dict[str, tuple] = {
     "frequency_penalty": (0,), "presence_penalty": (0,), "logit_bias": ({},), "best_of": (1,), "suffix": ("",),
     "tools": ([],), "tool_choice": ("none",), "parallel_tool_calls": (), "functions": ([],), "function_call": ("none",),
-    "response_format": ({"type": "text"},), "prediction": (), "audio": (), "modalities": (["text"],),
+    "prediction": (), "audio": (), "modalities": (["text"],),
     "service_tier": (), "reasoning_effort": (), "web_search_options": (), "metadata": ({},), "store": (False,),
 }
+
+
+class JsonSchemaFormat(BaseModel):
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+
+    name: str = Field(max_length=64)
+    description: str | None = None
+    schema_: dict = Field(default_factory=dict, alias="schema")
+    strict: bool | None = None  # either way the output is constrained to the schema, as in vLLM
+
+
+class ResponseFormat(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_with_its_type(self) -> "ResponseFormat":
+        if (self.type == "json_schema") != (self.json_schema is not None):
+            raise LlmcError("response_format: json_schema is required with type json_schema, and only with it")
+        return self
+
+    def structured_output(self) -> StructuredOutput | None:
+        if self.type == "text":
+            return None
+        if self.type == "json_object":
+            return StructuredOutput("json_object")
+        return StructuredOutput("json_schema", json.dumps(self.json_schema.schema_))
 
 
 class SamplingRequest(BaseModel):
@@ -33,6 +64,7 @@ class SamplingRequest(BaseModel):
     stream: bool = False
     stream_options: dict | None = None
     user: str | None = None  # the client's end-user id; llmc keeps no per-user state, so it changes nothing
+    response_format: ResponseFormat | None = None
 
     @model_validator(mode="before")
     @classmethod
@@ -78,9 +110,13 @@ class SamplingRequest(BaseModel):
                 ignore_eos=self.ignore_eos,
                 logprobs=self.num_logprobs(),
                 prompt_logprobs=self.num_prompt_logprobs(),
+                structured_output=self.structured_output(),
             )
             for choice in range(self.n)
         ]
+
+    def structured_output(self) -> StructuredOutput | None:
+        return self.response_format.structured_output() if self.response_format else None
 
     def num_prompt_logprobs(self) -> int | None:
         """Top alternatives to return with each prompt token's logprob; None: the prompt's are not returned."""

@@ -9,6 +9,7 @@ import torch
 from llmc.errors import LlmcError
 from llmc.runtime.engine.config import EngineConfig
 from llmc.runtime.engine.draft_tree import DraftTree
+from llmc.runtime.engine.grammar import masked_tree_logits
 from llmc.runtime.engine.sequence import Sequence
 from llmc.runtime.layers.sampler import SampledToken, greedy_tokens, sampled_token, sampling_probs
 from llmc.runtime.speculative.acceptance import greedy_accept, rejection_sample
@@ -76,14 +77,16 @@ class SpeculativeDecoder:
         return outputs
 
     def _verify(self, seq: Sequence, tree: DraftTree, logits: torch.Tensor) -> tuple[list[int], list[SampledToken]]:
-        """logits: row 0 after the last token, row 1 + n after node n -> (accepted path, emitted tokens)."""
+        """logits: row 0 after the last token, row 1 + n after node n -> (accepted path, emitted tokens). Tokens are
+        chosen from the rows masked by the sequence's grammar, if any; logprobs stay the model's."""
         params = seq.params
+        choose_from = logits if seq.grammar is None else masked_tree_logits(logits, seq.grammar, tree)
         if params.greedy:
-            targets = greedy_tokens(logits)
+            targets = greedy_tokens(choose_from)
             path = greedy_accept(targets, tree)
             last = targets[path[-1] + 1 if path else 0]
         else:
-            probs = torch.stack([sampling_probs(row, params) for row in logits]).cpu()
+            probs = torch.stack([sampling_probs(row, params) for row in choose_from]).cpu()
             path, last = rejection_sample(probs, tree, seq.generator)
         self.stats.record(len(tree), len(path))
         rows = [0] + [node + 1 for node in path]
