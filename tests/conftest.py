@@ -4,11 +4,13 @@ import os
 import socket
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -64,7 +66,8 @@ def first_layer(model: Path, num_samples: int, seq_len: int, seed: int) -> First
     return FirstLayer(config, skeleton, layer, embed(reader, family, input_ids))
 
 
-def build_tiny_model(folder: Path, model_type: str = "llama", num_layers: int = 2, hidden: int = 64, seed: int = 0) -> Path:
+def build_tiny_model(folder: Path, model_type: str = "llama", num_layers: int = 2, hidden: int = 64, seed: int = 0,
+                     max_position_embeddings: int = 512) -> Path:
     from transformers import AutoConfig, AutoModelForCausalLM
 
     tokenizer = build_tokenizer(folder)
@@ -76,7 +79,7 @@ def build_tiny_model(folder: Path, model_type: str = "llama", num_layers: int = 
         num_hidden_layers=num_layers,
         num_attention_heads=4,
         num_key_value_heads=2,
-        max_position_embeddings=512,
+        max_position_embeddings=max_position_embeddings,
         tie_word_embeddings=False,
         eos_token_id=tokenizer.eos_token_id,
     )
@@ -176,3 +179,30 @@ def llmc_serve(artifact: Path, *options: str, timeout: float = 180) -> Iterator[
     finally:
         if process.poll() is None:
             process.kill()
+
+
+@contextmanager
+def in_process_server(llm, api_key: str, max_waiting: int = 4) -> Iterator[SimpleNamespace]:
+    """The app over llm on a uvicorn thread and a free port: base url, engines, and an openai client."""
+    import openai
+    import uvicorn
+
+    from llmc.runtime.serving.async_engine import AsyncLLMEngine
+    from llmc.runtime.serving.server import build_app
+
+    engine = AsyncLLMEngine(llm, max_waiting=max_waiting)
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    server = uvicorn.Server(uvicorn.Config(build_app(engine, "tiny", api_key), log_level="warning"))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 60
+    while not server.started:
+        assert time.monotonic() < deadline, "the server did not start"
+        time.sleep(0.02)
+    base = f"http://127.0.0.1:{sock.getsockname()[1]}"
+    try:
+        yield SimpleNamespace(base=base, llm=llm, engine=engine, client=openai.OpenAI(base_url=f"{base}/v1", api_key=api_key))
+    finally:
+        server.should_exit = True
+        thread.join()

@@ -1,26 +1,20 @@
 import asyncio
 import json
 import signal
-import socket
-import threading
 import time
-from types import SimpleNamespace
 
 import httpx
 import jsonschema
 import openai
 import pytest
 import torch
-import uvicorn
-from conftest import CORPUS, llmc_serve, write_recipe
+from conftest import CORPUS, in_process_server, llmc_serve, write_recipe
 
 from llmc.pipeline import run_quantize
 from llmc.recipe import load_recipe
 from llmc.runtime.engine.config import EngineConfig
 from llmc.runtime.llm_engine import LLMEngine
 from llmc.runtime.sampling_params import SamplingParams
-from llmc.runtime.serving.async_engine import AsyncLLMEngine
-from llmc.runtime.serving.server import build_app
 
 API_KEY = "test-key"
 PROMPT = " ".join(CORPUS.split()[:12])
@@ -45,17 +39,8 @@ def wait_until(condition, timeout: float = 60.0) -> None:
 @pytest.fixture(scope="module")
 def server(artifact):
     llm = LLMEngine(str(artifact), EngineConfig(dtype=torch.float32, max_num_seqs=MAX_NUM_SEQS, num_kv_blocks=64))
-    engine = AsyncLLMEngine(llm, max_waiting=MAX_WAITING)
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    uvicorn_server = uvicorn.Server(uvicorn.Config(build_app(engine, "tiny", API_KEY), log_level="warning"))
-    thread = threading.Thread(target=uvicorn_server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    wait_until(lambda: uvicorn_server.started)
-    base = f"http://127.0.0.1:{sock.getsockname()[1]}"
-    yield SimpleNamespace(base=base, llm=llm, engine=engine, client=openai.OpenAI(base_url=f"{base}/v1", api_key=API_KEY))
-    uvicorn_server.should_exit = True
-    thread.join()
+    with in_process_server(llm, API_KEY, MAX_WAITING) as running:
+        yield running
 
 
 def idle(server) -> bool:
@@ -199,15 +184,15 @@ def post(server, path: str, body: dict) -> httpx.Response:
     return httpx.post(f"{server.base}/v1/{path}", json=body, headers={"Authorization": f"Bearer {API_KEY}"}, timeout=60)
 
 
-@pytest.mark.parametrize("field, value", [("tools", [{"type": "function", "function": {"name": "f"}}]),
+@pytest.mark.parametrize("field, value", [("functions", [{"name": "f"}]),
                                           ("presence_penalty", 0.3), ("frequency_penalty", 0.5),
                                           ("logit_bias", {"5": 10}), ("best_of", 3)])
 def test_fields_llmc_does_not_implement_are_refused_by_name(server, field, value):
-    chat = field == "tools"
+    chat = field == "functions"
     body = {"model": "tiny", "max_tokens": 2} | ({"messages": [{"role": "user", "content": PROMPT}]} if chat else {"prompt": PROMPT})
     response = post(server, "chat/completions" if chat else "completions", body | {field: value})
     assert response.status_code == 400 and response.json()["error"]["message"] == f"{field} is not supported by llmc serve"
-    neutral = {"tools": [], "presence_penalty": 0, "frequency_penalty": 0, "logit_bias": {}, "best_of": 1}[field]
+    neutral = {"functions": [], "presence_penalty": 0, "frequency_penalty": 0, "logit_bias": {}, "best_of": 1}[field]
     assert post(server, "chat/completions" if chat else "completions", body | {field: neutral}).status_code == 200
 
 

@@ -6,6 +6,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from llmc.errors import LlmcError
 from llmc.runtime.sampling_params import SamplingParams
+from llmc.runtime.serving.tool_calls import NamedToolChoice, ToolChoice, ToolDefinition, tool_grammar
 from llmc.runtime.structured_output import StructuredOutput
 
 COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
@@ -13,7 +14,7 @@ COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 # with any other they are refused by name rather than ignored
 NOT_IMPLEMENTED: dict[str, tuple] = {
     "frequency_penalty": (0,), "presence_penalty": (0,), "logit_bias": ({},), "best_of": (1,), "suffix": ("",),
-    "tools": ([],), "tool_choice": ("none",), "parallel_tool_calls": (), "functions": ([],), "function_call": ("none",),
+    "functions": ([],), "function_call": ("none",),
     "prediction": (), "audio": (), "modalities": (["text"],),
     "service_tier": (), "reasoning_effort": (), "web_search_options": (), "metadata": ({},), "store": (False,),
 }
@@ -127,6 +128,10 @@ class SamplingRequest(BaseModel):
         return False
 
     @property
+    def uses_tools(self) -> bool:
+        return False
+
+    @property
     def include_usage(self) -> bool:
         return bool((self.stream_options or {}).get("include_usage"))
 
@@ -171,6 +176,33 @@ class ChatMessage(BaseModel):
 
     role: str
     content: str | list[dict] | None = None
+    tool_calls: list[dict] | None = None  # an assistant's earlier calls, arguments as a JSON string
+    tool_call_id: str | None = None  # a tool message's answer to that call
+
+    def text(self) -> str:
+        if isinstance(self.content, list):
+            return "".join(part.get("text", "") for part in self.content if part.get("type") == "text")
+        return self.content or ""
+
+    def for_template(self) -> dict:
+        """As chat templates take it: text content; a call's arguments as a dict."""
+        message = {"role": self.role, "content": self.text()}
+        if self.tool_calls:
+            message["tool_calls"] = [{"type": "function", "id": call.get("id"), "function": {
+                "name": call["function"]["name"], "arguments": parsed_arguments(call["function"].get("arguments"))}}
+                for call in self.tool_calls]
+        if self.tool_call_id is not None:
+            message["tool_call_id"] = self.tool_call_id
+        return message
+
+
+def parsed_arguments(arguments: str | dict | None) -> dict:
+    if isinstance(arguments, dict) or arguments is None:
+        return arguments or {}
+    try:
+        return json.loads(arguments)
+    except json.JSONDecodeError:
+        raise LlmcError(f"messages: a tool call's arguments are not JSON: {arguments[:80]!r}") from None
 
 
 class ChatCompletionRequest(SamplingRequest):
@@ -178,6 +210,29 @@ class ChatCompletionRequest(SamplingRequest):
     max_completion_tokens: int | None = Field(default=None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
+    tools: list[ToolDefinition] | None = None
+    tool_choice: ToolChoice | None = None  # None: auto with tools, none without
+    parallel_tool_calls: bool = True
+
+    @model_validator(mode="after")
+    def _tool_choice_names_a_tool(self) -> "ChatCompletionRequest":
+        names = [tool.function.name for tool in self.tools or []]
+        if self.tool_choice not in (None, "none") and not names:
+            raise LlmcError("tool_choice: asks for a tool call, but the request has no tools")
+        if isinstance(self.tool_choice, NamedToolChoice) and self.tool_choice.function.name not in names:
+            raise LlmcError(f"tool_choice: names {self.tool_choice.function.name!r}, which is not among the tools {names}")
+        if self.uses_tools and self.response_format is not None and self.response_format.type != "text":
+            raise LlmcError("response_format: cannot be combined with tools (both constrain the output)")
+        return self
+
+    @property
+    def uses_tools(self) -> bool:
+        return bool(self.tools) and self.tool_choice != "none"
+
+    def structured_output(self) -> StructuredOutput | None:
+        if self.uses_tools:
+            return tool_grammar(self.tools, self.tool_choice or "auto", self.parallel_tool_calls)
+        return super().structured_output()
 
     def resolved_max_tokens(self, prompt_len: int, max_model_len: int) -> int:
         if self.max_completion_tokens is not None:
@@ -188,9 +243,8 @@ class ChatCompletionRequest(SamplingRequest):
         return (self.top_logprobs or 0) if self.logprobs else None
 
     def conversation(self) -> list[dict]:
-        def text(content: str | list[dict] | None) -> str:
-            if isinstance(content, list):
-                return "".join(part.get("text", "") for part in content if part.get("type") == "text")
-            return content or ""
+        return [message.for_template() for message in self.messages]
 
-        return [{"role": message.role, "content": text(message.content)} for message in self.messages]
+    def template_tools(self) -> list[dict] | None:
+        """The tools as chat templates take them; none when tool_choice is none (the model is not to call any)."""
+        return [tool.model_dump(exclude_none=True) for tool in self.tools] if self.uses_tools else None

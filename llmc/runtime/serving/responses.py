@@ -10,6 +10,7 @@ from dataclasses import replace
 
 from llmc.runtime.layers.sampler import SampledToken
 from llmc.runtime.llm_engine import RequestOutput
+from llmc.runtime.serving.tool_calls import ToolCallStream, parse_tool_calls
 
 
 async def merged(streams: list[AsyncIterator[RequestOutput]]) -> AsyncIterator[tuple[int, RequestOutput]]:
@@ -82,17 +83,32 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict:
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens, "total_tokens": prompt_tokens + completion_tokens}
 
 
-def choice(index: int, outputs: list[RequestOutput], decode: Decode, chat: bool, delta: bool) -> dict:
+def with_tool_calls(finish_reason: str | None, called: bool) -> str | None:
+    """OpenAI's finish reason for an answer that ended after calling tools."""
+    return "tool_calls" if called and finish_reason == "stop" else finish_reason
+
+
+def choice(index: int, outputs: list[RequestOutput], decode: Decode, chat: bool, parse_tools: bool = False) -> dict:
+    """A whole choice; with parse_tools, the tool calls in a chat answer become its message's tool_calls."""
     text = "".join(output.new_text for output in outputs)
     finish_reason = outputs[-1].finish_reason if outputs else None
     entry = {"index": index, "finish_reason": finish_reason, "logprobs": logprobs_of(outputs, decode, chat)}
     if not chat:
-        entry["text"] = text
-    elif delta:
-        entry["delta"] = {"content": text} if text or not finish_reason else {}
-    else:
-        entry["message"] = {"role": "assistant", "content": text}
-    return entry
+        return entry | {"text": text}
+    content, calls = parse_tool_calls(text) if parse_tools else (text, [])
+    message = {"role": "assistant", "content": content or None, "tool_calls": calls} if calls else {"role": "assistant", "content": text}
+    return entry | {"message": message, "finish_reason": with_tool_calls(finish_reason, bool(calls))}
+
+
+def delta_choice(index: int, output: RequestOutput, decode: Decode, chat: bool, tool_stream: ToolCallStream | None) -> dict:
+    """One streamed output of a choice; with a tool_stream, tool calls are sent whole as they close."""
+    entry = {"index": index, "finish_reason": output.finish_reason, "logprobs": logprobs_of([output], decode, chat)}
+    if not chat:
+        return entry | {"text": output.new_text}
+    text, calls = tool_stream.feed(output.new_text, output.finish_reason is not None) if tool_stream else (output.new_text, [])
+    delta = ({"content": text} if text or not output.finish_reason else {}) | ({"tool_calls": calls} if calls else {})
+    called = tool_stream is not None and tool_stream.num_calls > 0
+    return entry | {"delta": delta, "finish_reason": with_tool_calls(output.finish_reason, called)}
 
 
 def response_header(model_name: str, chat: bool, stream: bool) -> dict:
@@ -106,22 +122,24 @@ def event(payload: dict) -> str:
 
 
 async def sse(header: dict, streams: list[AsyncIterator[RequestOutput]], decode: Decode, prompt_tokens: int, chat: bool,
-              include_usage: bool) -> AsyncIterator[str]:
+              include_usage: bool, parse_tools: bool = False) -> AsyncIterator[str]:
     if chat:
         opening = [{"index": index, "delta": {"role": "assistant", "content": ""}, "finish_reason": None, "logprobs": None}
                    for index in range(len(streams))]
         yield event(header | {"choices": opening})
     completion_tokens = 0
+    tool_streams = [ToolCallStream() if parse_tools else None for _ in streams]
     async with aclosing(merged(streams)) as outputs:  # a client gone closes this generator: stop the requests now
         async for index, output in outputs:
             completion_tokens += len(output.new_token_ids)
-            yield event(header | {"choices": [choice(index, [output], decode, chat, delta=True)]})
+            yield event(header | {"choices": [delta_choice(index, output, decode, chat, tool_streams[index])]})
     if include_usage:
         yield event(header | {"choices": [], "usage": usage(prompt_tokens, completion_tokens)})
     yield "data: [DONE]\n\n"
 
 
-def completed(header: dict, results: list[list[RequestOutput]], decode: Decode, prompt_tokens: int, chat: bool) -> dict:
-    choices = [choice(index, outputs, decode, chat, delta=False) for index, outputs in enumerate(results)]
+def completed(header: dict, results: list[list[RequestOutput]], decode: Decode, prompt_tokens: int, chat: bool,
+              parse_tools: bool = False) -> dict:
+    choices = [choice(index, outputs, decode, chat, parse_tools) for index, outputs in enumerate(results)]
     completion_tokens = sum(len(output.new_token_ids) for outputs in results for output in outputs)
     return header | {"choices": choices, "usage": usage(prompt_tokens, completion_tokens)}

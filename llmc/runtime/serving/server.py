@@ -18,6 +18,7 @@ from llmc.runtime.serving.async_engine import AsyncLLMEngine, EngineBusy
 from llmc.runtime.serving.metrics import ServerMetrics
 from llmc.runtime.serving.protocol import ChatCompletionRequest, CompletionRequest, SamplingRequest
 from llmc.runtime.serving.responses import completed, echoed, response_header, sse
+from llmc.runtime.serving.tool_calls import chat_prompt
 
 DISCONNECT_POLL_SECONDS = 0.25
 
@@ -148,12 +149,13 @@ async def respond(request: Request, state: ServerState, body: SamplingRequest, p
         streams = [echoed(stream, prompt, decode) for (prompt, _), stream in zip(requests, streams)]
     prompt_tokens = sum(map(len, prompts))
     if body.stream:
-        return StreamingResponse(sse(header, streams, decode, prompt_tokens, chat, body.include_usage), media_type="text/event-stream")
+        events = sse(header, streams, decode, prompt_tokens, chat, body.include_usage, body.uses_tools)
+        return StreamingResponse(events, media_type="text/event-stream")
     try:
         results = await collect(request, streams)
     except ClientGone:
         return Response(status_code=499)
-    return completed(header, results, decode, prompt_tokens, chat)
+    return completed(header, results, decode, prompt_tokens, chat, body.uses_tools)
 
 
 # routes
@@ -176,7 +178,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request, state:
     tokenizer = state.llm.tokenizer
     if not tokenizer.chat_template:
         raise LlmcError(f"{state.model_name} has no chat template; use /v1/completions")
-    text = tokenizer.apply_chat_template(body.conversation(), tokenize=False, add_generation_prompt=True)
+    text = chat_prompt(tokenizer, body.conversation(), body.template_tools())
     return await respond(request, state, body, [state.llm.tokenize(text)], chat=True)
 
 

@@ -1,0 +1,117 @@
+"""Tool calling: prompts rendered with the tools (the chat template's own way, or Hermes-style when it has none),
+calls forced by tool_choice through the grammar, parsed whole and streamed, over the official openai client."""
+import json
+
+import jsonschema
+import pytest
+import torch
+from conftest import build_tiny_model, in_process_server
+from test_runtime_server import API_KEY, idle, post, wait_until
+from transformers import AutoTokenizer
+
+from llmc.runtime.engine.config import EngineConfig
+from llmc.runtime.llm_engine import LLMEngine
+from llmc.runtime.serving.tool_calls import ToolCallStream, chat_prompt, parse_tool_calls
+
+# small enough for the tiny model's 512-token context once rendered into the prompt
+WEATHER = {"type": "object", "properties": {"city": {"enum": ["Paris", "Rome"]}, "days": {"type": "integer", "minimum": 1,
+           "maximum": 7}}, "required": ["city", "days"]}
+TIME = {"type": "object", "properties": {"zone": {"enum": ["UTC", "CET"]}}, "required": ["zone"]}
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": WEATHER}},
+         {"type": "function", "function": {"name": "get_time", "parameters": TIME}}]
+SCHEMAS = {"get_weather": WEATHER, "get_time": TIME}
+MESSAGES = [{"role": "user", "content": "Weather in Paris?"}]
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    """A tiny model with room in its context for the tools its prompts list (its vocabulary is nearly bytes)."""
+    return build_tiny_model(tmp_path_factory.mktemp("tiny-tools"), max_position_embeddings=2048)
+
+
+@pytest.fixture(scope="module")
+def server(model):
+    with in_process_server(LLMEngine(model, EngineConfig(dtype=torch.float32, num_kv_blocks=256)), API_KEY) as running:
+        yield running
+
+
+def assert_valid_calls(calls) -> None:
+    assert calls
+    for call in calls:
+        jsonschema.validate(json.loads(call.function.arguments), SCHEMAS[call.function.name])
+        assert call.type == "function" and call.id.startswith("call_")
+
+
+@pytest.mark.parametrize("tool_choice", ["required", {"type": "function", "function": {"name": "get_time"}}], ids=["required", "named"])
+def test_a_forced_tool_call_parses_and_validates_whole_and_streamed(server, tool_choice):
+    args = dict(model="tiny", messages=MESSAGES, tools=TOOLS, tool_choice=tool_choice, parallel_tool_calls=False, max_tokens=400)
+    response = server.client.chat.completions.create(**args, temperature=1.0, seed=5, n=3)
+    for choice in response.choices:
+        assert choice.finish_reason == "tool_calls" and len(choice.message.tool_calls) == 1
+        assert_valid_calls(choice.message.tool_calls)
+        if isinstance(tool_choice, dict):
+            assert choice.message.tool_calls[0].function.name == "get_time"
+    chunks = list(server.client.chat.completions.create(**args, temperature=0, stream=True))
+    streamed = [call for chunk in chunks if chunk.choices for call in chunk.choices[0].delta.tool_calls or []]
+    assert_valid_calls(streamed)
+    assert chunks[-1].choices[0].finish_reason == "tool_calls"
+    whole = server.client.chat.completions.create(**args, temperature=0)
+    assert [(c.function.name, c.function.arguments) for c in whole.choices[0].message.tool_calls] == \
+        [(c.function.name, c.function.arguments) for c in streamed]
+    wait_until(lambda: idle(server))
+
+
+def test_auto_and_none_and_a_conversation_with_tool_results(server):
+    auto = server.client.chat.completions.create(model="tiny", messages=MESSAGES, tools=TOOLS, max_tokens=40, temperature=0)
+    choice = auto.choices[0]
+    if choice.message.tool_calls:  # a random model may or may not call: any call it makes must be well-formed
+        assert_valid_calls(choice.message.tool_calls)
+    else:
+        assert choice.message.content is not None
+    none = server.client.chat.completions.create(model="tiny", messages=MESSAGES, tools=TOOLS, tool_choice="none", max_tokens=5)
+    assert none.choices[0].message.tool_calls is None
+    call = {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris", "days": 3}'}}
+    follow_up = MESSAGES + [{"role": "assistant", "content": None, "tool_calls": [call]},
+                            {"role": "tool", "tool_call_id": "call_1", "content": '{"forecast": "sun"}'}]
+    answer = server.client.chat.completions.create(model="tiny", messages=follow_up, tools=TOOLS, tool_choice="none", max_tokens=5)
+    assert answer.choices[0].finish_reason in ("stop", "length")
+
+
+def test_bad_tool_requests_are_400s_naming_the_field(server):
+    body = {"model": "tiny", "messages": MESSAGES, "max_tokens": 2}
+    cases = [({"tool_choice": "required"}, "tool_choice: asks for a tool call, but the request has no tools"),
+             ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice: names 'nope'"),
+             ({"tools": TOOLS, "response_format": {"type": "json_object"}}, "response_format: cannot be combined with tools"),
+             ({"tools": [{"type": "function", "function": {"name": "bad name!"}}]}, "tools.0.function.name")]
+    for extra, message in cases:
+        response = post(server, "chat/completions", body | extra)
+        assert response.status_code == 400 and message in response.json()["error"]["message"], response.text
+
+
+def test_tools_render_through_a_template_that_knows_them_and_hermes_style_otherwise(model):
+    tokenizer = AutoTokenizer.from_pretrained(model)  # its template has no tools
+    earlier_call = {"type": "function", "function": {"name": "get_time", "arguments": {"zone": "UTC"}}}
+    conversation = MESSAGES + [{"role": "assistant", "content": "", "tool_calls": [earlier_call]}, {"role": "tool", "content": "12:00"}]
+    hermes = chat_prompt(tokenizer, conversation, TOOLS)
+    assert hermes.startswith("<system>") and '"name": "get_weather"' in hermes and "<tools>" in hermes
+    assert '<tool_call>\n{"name": "get_time", "arguments": {"zone": "UTC"}}\n</tool_call>' in hermes
+    assert "<user><tool_response>\n12:00\n</tool_response>" in hermes
+    tokenizer.chat_template = "{{ tools | map(attribute='function.name') | join(',') }}|{% for m in messages %}{{ m['role'] }} {% endfor %}"
+    assert chat_prompt(tokenizer, conversation, TOOLS) == "get_weather,get_time|user assistant tool "
+
+
+def test_calls_are_parsed_out_of_text_whole_and_split_anywhere():
+    call = '<tool_call>\n{"name": "get_time", "arguments": {"zone": "CET"}}\n</tool_call>'
+    text = f"Let me check.\n{call}\n<tool_call>\nnot json\n</tool_call>"
+    content, calls = parse_tool_calls(text)
+    assert [call["function"] for call in calls] == [{"name": "get_time", "arguments": '{"zone": "CET"}'}]
+    assert content == "Let me check.\n\n<tool_call>\nnot json\n</tool_call>"
+    for size in (1, 2, 5, 11, len(text)):
+        stream, streamed_content, streamed_calls = ToolCallStream(), "", []
+        pieces = [text[start : start + size] for start in range(0, len(text), size)]
+        for index, piece in enumerate(pieces):
+            piece_content, piece_calls = stream.feed(piece, finished=index == len(pieces) - 1)
+            streamed_content, streamed_calls = streamed_content + piece_content, streamed_calls + piece_calls
+        assert [call["function"] for call in streamed_calls] == [call["function"] for call in calls]
+        assert streamed_content.strip() == content
+    assert parse_tool_calls("no calls <tool_call> here") == ("no calls <tool_call> here", [])
