@@ -4,6 +4,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from llmc.artifact.output import check_output
+from llmc.device import resolve_device
 from llmc.errors import LlmcError
 from llmc.evals.inputs import EvalInputs, check_tasks, load_business_items, load_perplexity_text
 from llmc.prompts import check_prompt_files
@@ -19,9 +20,10 @@ def resolved(recipe: Recipe, location: tuple, load: Callable):
 
 
 def resolve_eval_and_draft_inputs(recipe: Recipe, overwrite: bool) -> EvalInputs:
-    """The output folder checked, then the eval data sets and tasks and the draft prompt files: everything the recipe
+    """The output folder and the device checked, then the eval data sets and tasks and the draft prompt files: everything the recipe
     names besides the model and the calibration set (which needs the model's tokenizer)."""
     check_output(Path(recipe.output), overwrite)
+    resolved(recipe, ("device",), lambda: resolve_device(recipe.device))
     settings = recipe.eval
     inputs = EvalInputs(resolved(recipe, ("eval", "perplexity", "dataset"), lambda: load_perplexity_text(settings)),
                         resolved(recipe, ("eval", "business", "dataset"), lambda: load_business_items(settings)),

@@ -1,6 +1,7 @@
 """`llmc quantize`: recipe -> model -> calibration -> layer-by-layer stages -> evals -> artifact."""
 import json
 import platform
+import sys
 import time
 from dataclasses import asdict
 from datetime import datetime, timezone
@@ -15,6 +16,7 @@ from llmc.artifact.export import exporter_for
 from llmc.artifact.writer import ShardWriter, staged_folder, write_manifest
 from llmc.calib.data import load_calibration
 from llmc.calib.driver import build_skeleton, decoder_layers, decoder_linears, quantize_layerwise
+from llmc.device import describe_device, peak_memory, resolve_device
 from llmc.evals.gate import GateFailed, require_gate_passed
 from llmc.evals.inputs import EvalInputs
 from llmc.evals.report import summary, write_report
@@ -43,6 +45,8 @@ def run_quantize(recipe: Recipe, overwrite: bool = False, eval_inputs: EvalInput
     started = time.perf_counter()
     output = Path(recipe.output)
     eval_inputs = eval_inputs or resolve_eval_and_draft_inputs(recipe, overwrite)
+    device = resolve_device(recipe.device)
+    print(f"device: {describe_device(device)}", file=sys.stderr)
     folder = resolved(recipe, ("model",), lambda: resolve_model(recipe.model))
     config = AutoConfig.from_pretrained(folder)
     family = family_for(config)
@@ -63,7 +67,9 @@ def run_quantize(recipe: Recipe, overwrite: bool = False, eval_inputs: EvalInput
         num_layers = len(decoder_layers(skeleton, family))
         writer = ShardWriter(staging, num_layers + 1, dtype, exporter.tensors)
         started = time.perf_counter()
-        reports = quantize_layerwise(reader, skeleton, config, family, modifiers, plan, calibration, writer.write_layer, kv_cache)
+        reports = quantize_layerwise(reader, skeleton, config, family, modifiers, plan, calibration, writer.write_layer, kv_cache,
+                                     device)
+        quantize_memory = peak_memory(device)
         rest = reader.tensors([name for name in reader.file_of if not name.startswith(f"{family.layers}.")])
         rest = {name: tensor.to(dtype) for name, tensor in rest.items()}
         writer.write(rest)
@@ -77,7 +83,7 @@ def run_quantize(recipe: Recipe, overwrite: bool = False, eval_inputs: EvalInput
         tokenizer.save_pretrained(staging)
         (staging / "recipe.yaml").write_text(recipe.to_yaml())
         started = time.perf_counter()
-        evals = run_recipe_evals(recipe, staging, output, eval_inputs)
+        evals = run_recipe_evals(recipe, staging, output, eval_inputs, device)
         timings["eval_s"] = time.perf_counter() - started
         write_manifest(staging, {
             "llmc_version": llmc.__version__,
@@ -95,6 +101,8 @@ def run_quantize(recipe: Recipe, overwrite: bool = False, eval_inputs: EvalInput
                 "sha256": calibration.sha256,
             },
             "layers": [asdict(report) for report in reports],
+            "device": str(device),
+            "memory": quantize_memory,
             "timings": timings,
             "eval": evals,
         })
@@ -124,14 +132,14 @@ def _write_config(source: Path, staging: Path, quantization: dict, dtype: torch.
         (staging / "generation_config.json").write_text(generation.read_text())
 
 
-def run_recipe_evals(recipe: Recipe, staging: Path, output: Path, inputs: EvalInputs) -> dict:
+def run_recipe_evals(recipe: Recipe, staging: Path, output: Path, inputs: EvalInputs, device: torch.device) -> dict:
     """The recipe's evals on the staged artifact (and the baseline): the report goes into the artifact's
     `report/`; when the gate fails it goes beside the output path instead and nothing is written."""
     settings = recipe.eval
     if not (settings.perplexity or settings.business or settings.tasks):
         return {}
     targets = [EvalTarget("baseline", recipe.model)] if settings.baseline else []
-    report = evaluate_side_by_side([*targets, EvalTarget("artifact", str(staging))], settings, inputs)
+    report = evaluate_side_by_side([*targets, EvalTarget("artifact", str(staging))], settings, inputs, device)
     report["targets"]["artifact"]["target"] = str(output)
     try:
         require_gate_passed(report, f"gate failed, no artifact written to {output}")

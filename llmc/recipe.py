@@ -4,10 +4,11 @@ from pathlib import Path
 from typing import Annotated, get_args
 
 import yaml
-from pydantic import Field, PrivateAttr, model_validator
+from pydantic import Field, PrivateAttr, field_validator, model_validator
 
 from llmc.artifact.export_config import ExportConfig
 from llmc.calib.data import CalibrationConfig
+from llmc.device import DEVICE_PATTERN
 from llmc.draft.config import DraftConfig
 from llmc.errors import LlmcError
 from llmc.evals.config import EvalConfig
@@ -29,6 +30,7 @@ STAGE_TYPES = tuple(get_args(stage.model_fields["type"].annotation)[0] for stage
 class Recipe(StrictModel):
     model: str = "smollm2-135m"
     output: str
+    device: str = "auto"  # where calibration, the stages and the evals compute: auto, cpu, cuda, cuda:N
     calibration: CalibrationConfig | None = None
     stages: list[StageConfig]  # may be empty when only the KV cache is quantized
     kv_cache: KVCacheConfig | None = None
@@ -36,6 +38,13 @@ class Recipe(StrictModel):
     export: ExportConfig = ExportConfig()
     draft: DraftConfig | None = None
     _source: tuple = PrivateAttr(default=())  # (path, YAML node tree, overridden paths) when loaded from a file
+
+    @field_validator("device")
+    @classmethod
+    def _device_spelled(cls, device: str) -> str:
+        if not DEVICE_PATTERN.fullmatch(device):
+            raise ValueError(f"expected auto, cpu, cuda or cuda:N, got {device!r}")
+        return device
 
     @model_validator(mode="after")
     def _stage_order_and_data(self) -> "Recipe":

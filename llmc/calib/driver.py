@@ -20,7 +20,7 @@ from llmc.calib.observers import observing_scales
 from llmc.models.checkpoint import CheckpointReader
 from llmc.models.families import Family
 from llmc.quant.kvcache import KV_ATTENTION
-from llmc.quant.layer import COMPUTE_DTYPE, LayerRunner, LayerWork, Modifier, recording
+from llmc.quant.layer import COMPUTE_DTYPE, CPU, LayerRunner, LayerWork, Modifier, recording
 from llmc.quant.plan import QuantizationPlan
 from llmc.quant.qtypes import QuantArgs, QuantizedWeight
 
@@ -67,15 +67,27 @@ def decoder_linears(skeleton: nn.Module, family: Family) -> dict[str, nn.Linear]
     return {name: linear for index, layer in enumerate(layers) for name, linear in layer_linears(layer, f"{family.layers}.{index}").items()}
 
 
-def materialize(layer: nn.Module, reader: CheckpointReader, prefix: str) -> None:
-    layer.to_empty(device="cpu")
-    state = {name: tensor.to(COMPUTE_DTYPE) for name, tensor in reader.state_dict(prefix).items()}
+def materialize(layer: nn.Module, reader: CheckpointReader, prefix: str, device: torch.device = CPU) -> None:
+    """The layer's weights from the checkpoint straight onto the device, in the compute dtype."""
+    layer.to_empty(device=device)
+    state = {name: tensor.to(device, COMPUTE_DTYPE) for name, tensor in reader.state_dict(prefix).items()}
     layer.load_state_dict(state, strict=True)
 
 
 def embed(reader: CheckpointReader, family: Family, input_ids: torch.Tensor) -> torch.Tensor:
     weight = reader.tensor(f"{family.embed_tokens}.weight").to(COMPUTE_DTYPE)
     return nn.functional.embedding(input_ids, weight)
+
+
+def activations_home(hidden: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """Where the calibration activations live between layers: on the device when two copies of them (a layer's
+    inputs and outputs) take at most a quarter of its free memory, else in pinned host memory, moved a batch at a time."""
+    if device.type != "cuda":
+        return hidden
+    free, _ = torch.cuda.mem_get_info(device)
+    if 2 * hidden.numel() * hidden.element_size() <= free / 4:
+        return hidden.to(device)
+    return hidden.pin_memory()
 
 
 def quantize_layerwise(
@@ -88,18 +100,21 @@ def quantize_layerwise(
     calibration: CalibrationSet | None,
     emit: EmitLayer,
     kv_cache: QuantArgs | None = None,
+    device: torch.device = CPU,
 ) -> list[LayerReport]:
+    """One layer at a time on the device: its weights, its statistics and a batch of activations at least; what
+    emit gets is back on the host."""
     layers = decoder_layers(skeleton, family)
     hidden = runner = None
     if calibration is not None:
-        runner = LayerRunner(skeleton, config, calibration.input_ids.shape[1], compute_dtype=calibration.compute_dtype)
-        hidden = embed(reader, family, calibration.input_ids)
+        runner = LayerRunner(skeleton, config, calibration.input_ids.shape[1], compute_dtype=calibration.compute_dtype, device=device)
+        hidden = activations_home(embed(reader, family, calibration.input_ids), device)
     reports = []
     for index in tqdm(range(len(layers)), desc="quantizing layers", unit="layer"):
         started = time.perf_counter()
         prefix = f"{family.layers}.{index}"
         layer = layers[index]
-        materialize(layer, reader, prefix)
+        materialize(layer, reader, prefix, device)
         linears = layer_linears(layer, prefix)
         weights = plan.layer_weights(linears)
         reference = None
@@ -122,7 +137,7 @@ def quantize_layerwise(
                 hidden = runner(layer, hidden)
             if reference is not None:  # None when no stage changes weights (only the KV cache is calibrated)
                 error = float(((hidden - reference) ** 2).sum() / (reference**2).sum().clamp_min(1e-30))
-        emit(prefix, layer, quantized)
+        emit(prefix, layer.to(CPU), {name: weight.to(CPU) for name, weight in quantized.items()})
         layer.to("meta")
         return_freed_memory()
         reports.append(LayerReport(index, time.perf_counter() - started, len(quantized), error))

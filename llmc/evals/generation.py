@@ -40,8 +40,8 @@ class TransformersGenerator:
         prompts = [chat_prompt_ids(self.tokenizer, request.messages) for request in requests]
         width = max(len(prompt) for prompt in prompts)
         pad = self.tokenizer.pad_token_id
-        input_ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts])
-        attention_mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+        input_ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts], device=self.model.device)
+        attention_mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=self.model.device)
         generated = self.model.generate(
             input_ids=input_ids, attention_mask=attention_mask, do_sample=False,
             max_new_tokens=max(request.max_tokens for request in requests), pad_token_id=pad,
@@ -54,8 +54,9 @@ class TransformersGenerator:
         replies = [self.tokenizer(option, add_special_tokens=False)["input_ids"] for option in options]
         width = len(prompt) + max(len(reply) for reply in replies)
         pad = self.tokenizer.pad_token_id
-        input_ids = torch.tensor([prompt + reply + [pad] * (width - len(prompt) - len(reply)) for reply in replies])
-        logprobs = torch.log_softmax(self.model(input_ids).logits[:, len(prompt) - 1 : -1].float(), dim=-1)
+        rows = [prompt + reply + [pad] * (width - len(prompt) - len(reply)) for reply in replies]
+        input_ids = torch.tensor(rows, device=self.model.device)
+        logprobs = torch.log_softmax(self.model(input_ids).logits[:, len(prompt) - 1 : -1].float(), dim=-1).cpu()
         scores = [
             logprobs[row, torch.arange(len(reply)), torch.tensor(reply)].mean().item()
             for row, reply in enumerate(replies)

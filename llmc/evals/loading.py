@@ -20,12 +20,13 @@ class LoadedModel:
     is_artifact: bool
 
 
-def load_model(target: str, dtype: torch.dtype = torch.float32) -> LoadedModel:
+def load_model(target: str, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu") -> LoadedModel:
+    """The target as a transformers model on device; evals feed it inputs on its own device."""
     path = Path(target).expanduser()
     if path.is_dir() and is_artifact(path):
-        return LoadedModel(target, _load_artifact(path, dtype), AutoTokenizer.from_pretrained(path), True)
+        return LoadedModel(target, _load_artifact(path, dtype).to(device), AutoTokenizer.from_pretrained(path), True)
     folder = resolve_model(target)
-    model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype).eval()
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype).eval().to(device)
     return LoadedModel(target, model, AutoTokenizer.from_pretrained(folder), False)
 
 

@@ -53,6 +53,7 @@ def perplexity(model, tokenizer, text: str, dataset: str, seq_len: int = 1024, m
     windows = input_ids[: num_windows * seq_len].reshape(num_windows, seq_len)
     total_nll, total_tokens = 0.0, 0
     for batch in tqdm(windows.split(batch_size), desc=label, unit="batch"):
+        batch = batch.to(model.device)
         logits = model(batch).logits[:, :-1].float()
         targets = batch[:, 1:]
         nll = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1), reduction="sum")

@@ -2,6 +2,8 @@
 compared with. The report is a plain dict (report.json), the same for `llmc eval` and `llmc quantize`."""
 from dataclasses import dataclass
 
+import torch
+
 from llmc.errors import LlmcError
 from llmc.evals.business import BusinessResult, compare_business, recovery, run_business
 from llmc.evals.business_set import BusinessItem
@@ -12,6 +14,8 @@ from llmc.evals.generation import make_generator
 from llmc.evals.inputs import EvalInputs, load_eval_inputs
 from llmc.evals.loading import LoadedModel, load_model
 from llmc.evals.perplexity import perplexity
+
+CPU = torch.device("cpu")
 
 
 @dataclass
@@ -27,21 +31,24 @@ class Measured:
     business: BusinessResult | None
 
 
-def evaluate_specs(specs: list[str], config: EvalConfig, inputs: EvalInputs | None = None) -> dict:
+def evaluate_specs(specs: list[str], config: EvalConfig, inputs: EvalInputs | None = None, device: torch.device = CPU) -> dict:
     """evaluate_side_by_side over model specs or artifact folders, each labelled as given (a repeat gets #N)."""
     if config.gate is not None and len(specs) < 2:
         raise LlmcError("--gate compares targets with the first one: give at least two targets")
     labels = [spec if spec not in specs[:index] else f"{spec}#{index + 1}" for index, spec in enumerate(specs)]
-    return evaluate_side_by_side([EvalTarget(label, spec) for label, spec in zip(labels, specs)], config, inputs)
+    return evaluate_side_by_side([EvalTarget(label, spec) for label, spec in zip(labels, specs)], config, inputs, device)
 
 
-def evaluate_side_by_side(targets: list[EvalTarget], config: EvalConfig, inputs: EvalInputs | None = None) -> dict:
-    """inputs: load_eval_inputs(config), when the caller resolved them already."""
+def evaluate_side_by_side(targets: list[EvalTarget], config: EvalConfig, inputs: EvalInputs | None = None,
+                          device: torch.device = CPU) -> dict:
+    """inputs: load_eval_inputs(config), when the caller resolved them already. Every target is evaluated by
+    transformers on device, on the artifact's dequantized weights (with its activation and KV-cache quantization
+    emulated), so the numbers are the artifact's own wherever they are measured."""
     inputs = inputs or load_eval_inputs(config)
     report = {"baseline": targets[0].label, "settings": config.model_dump(mode="json", exclude={"gate"}), "targets": {}}
     base = None
     for target in targets:
-        measured = _measure(target, config, inputs)
+        measured = _measure(target, config, inputs, device)
         if base is None:
             base = measured
         else:
@@ -52,8 +59,8 @@ def evaluate_side_by_side(targets: list[EvalTarget], config: EvalConfig, inputs:
     return report
 
 
-def _measure(target: EvalTarget, config: EvalConfig, inputs: EvalInputs) -> Measured:
-    loaded = load_model(target.spec)
+def _measure(target: EvalTarget, config: EvalConfig, inputs: EvalInputs, device: torch.device) -> Measured:
+    loaded = load_model(target.spec, device=device)
     report: dict = {"target": target.spec}
     if config.perplexity:
         settings = config.perplexity

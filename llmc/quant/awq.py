@@ -103,7 +103,7 @@ class AWQTransform:
             scales = self.search_scales(work, pair, block_inputs)
             fold_scales(work.layer, pair, scales)
             tokens = block_inputs.reshape(-1, block_inputs.shape[-1])
-            picked = torch.linspace(0, tokens.shape[0] - 1, min(CLIP_TOKENS, tokens.shape[0])).long()
+            picked = torch.linspace(0, tokens.shape[0] - 1, min(CLIP_TOKENS, tokens.shape[0]), device=tokens.device).long()
             clip_inputs.append((pair, tokens[picked] / scales))
         if self.config.clip_search:
             for pair, inputs in clip_inputs:

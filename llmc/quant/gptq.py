@@ -44,7 +44,7 @@ class GPTQStage(WeightStage):
 def upper_cholesky_of_inverse(hessian: torch.Tensor, dampening_frac: float, name: str) -> torch.Tensor:
     """U with Uᵀ U = (H + λI)⁻¹, λ = dampening_frac x mean diagonal, raised tenfold while H + λI is not positive
     definite. If that never works, the identity: no error propagation, i.e. round-to-nearest."""
-    eye = torch.eye(hessian.shape[0], dtype=hessian.dtype)
+    eye = torch.eye(hessian.shape[0], dtype=hessian.dtype, device=hessian.device)
     mean_diagonal = torch.diagonal(hessian).mean()
     if torch.isfinite(hessian).all():
         fraction = dampening_frac
@@ -83,7 +83,7 @@ def gptq_quantize(
     fixed = None
     if not grouped or args.actorder == "static":
         fixed = compute_qparams(*observe_range(work, args, scale_dtype), args, scale_dtype)
-    order = torch.argsort(torch.diagonal(hessian), descending=True) if args.actorder else torch.arange(columns)
+    order = torch.argsort(torch.diagonal(hessian), descending=True) if args.actorder else torch.arange(columns, device=work.device)
     work, hessian = work[:, order], hessian[order][:, order]
     upper = upper_cholesky_of_inverse(hessian, dampening_frac, name)
     if grouped:
@@ -122,8 +122,8 @@ def gptq_quantize(
     zero_point = torch.cat([z for _, z in reached], dim=1)
     g_idx = None
     if args.actorder == "group":
-        g_idx = torch.empty(columns, dtype=torch.int32)
-        g_idx[order] = torch.arange(columns, dtype=torch.int32) // args.group_size
+        g_idx = torch.empty(columns, dtype=torch.int32, device=work.device)
+        g_idx[order] = torch.arange(columns, dtype=torch.int32, device=work.device) // args.group_size
     return QuantizedWeight(unpermuted, scale, zero_point, args, g_idx)
 
 

@@ -11,6 +11,7 @@ from torch import nn
 from llmc.quant.qtypes import QuantArgs, QuantizedWeight
 
 COMPUTE_DTYPE = torch.float32
+CPU = torch.device("cpu")
 
 
 @contextmanager
@@ -35,10 +36,11 @@ class LayerRunner:
     attention. With a bfloat16 compute dtype the forward passes run in bfloat16 (faster on CPU) and
     their outputs come back as float32."""
 
-    def __init__(self, skeleton: nn.Module, config, seq_len: int, batch_size: int = 8, compute_dtype=COMPUTE_DTYPE):
-        rotary = type(skeleton.model.rotary_emb)(config=config)
-        position_ids = torch.arange(seq_len).unsqueeze(0)
-        probe = torch.zeros(1, seq_len, config.hidden_size, dtype=COMPUTE_DTYPE)
+    def __init__(self, skeleton: nn.Module, config, seq_len: int, batch_size: int = 8, compute_dtype=COMPUTE_DTYPE,
+                 device: torch.device = CPU):
+        rotary = type(skeleton.model.rotary_emb)(config=config).to(device)
+        position_ids = torch.arange(seq_len, device=device).unsqueeze(0)
+        probe = torch.zeros(1, seq_len, config.hidden_size, dtype=COMPUTE_DTYPE, device=device)
         self.positions = dict(
             attention_mask=None,  # sdpa is causal without a mask; samples have no padding
             position_ids=position_ids,
@@ -46,15 +48,16 @@ class LayerRunner:
         )
         self.batch_size = batch_size
         self.compute_dtype = compute_dtype
+        self.device = device
 
     @torch.no_grad()
     def __call__(self, module: nn.Module, hidden: torch.Tensor, positional: bool = True) -> torch.Tensor:
         outputs = []
         with parameters_in(module, self.compute_dtype):
-            for batch in hidden.split(self.batch_size):
-                batch = batch.to(self.compute_dtype)
+            for batch in hidden.split(self.batch_size):  # hidden may wait in host memory, one batch at a time on the device
+                batch = batch.to(self.device, self.compute_dtype, non_blocking=True)
                 out = module(batch, **self.positions) if positional else module(batch)
-                outputs.append((out[0] if isinstance(out, tuple) else out).to(COMPUTE_DTYPE))
+                outputs.append((out[0] if isinstance(out, tuple) else out).to(hidden.device, COMPUTE_DTYPE))
         return torch.cat(outputs)
 
 

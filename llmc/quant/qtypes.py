@@ -107,6 +107,11 @@ class QuantizedWeight:
             g_idx, self.input_activations,
         )
 
+    def to(self, device: torch.device) -> "QuantizedWeight":
+        g_idx = None if self.g_idx is None else self.g_idx.to(device)
+        return QuantizedWeight(self.codes.to(device), self.scale.to(device), self.zero_point.to(device), self.args, g_idx,
+                               self.input_activations)
+
     def dequantize(self) -> torch.Tensor:
         if self.g_idx is not None:
             return dequantize_columns(self.codes, self.scale[:, self.g_idx], self.zero_point[:, self.g_idx])
@@ -162,7 +167,7 @@ def observe_range(weight: torch.Tensor, args: QuantArgs, scale_dtype: torch.dtyp
     if args.observer != "mse":
         return min_vals, max_vals
     grouped = _grouped(weight, args).float()
-    best_error = torch.full(min_vals.shape, torch.inf)
+    best_error = torch.full(min_vals.shape, torch.inf, device=min_vals.device)
     best_min, best_max = min_vals.clone(), max_vals.clone()
     for step in range(MSE_SHRINK_STEPS):
         factor = 1 - step / 100

@@ -1,0 +1,66 @@
+"""The device a recipe computes on: resolved before any work, recorded in the manifest with the peak memory; where
+CUDA exists, the stages' results on it match the CPU's."""
+import json
+
+import pytest
+import torch
+from conftest import write_recipe
+from safetensors.torch import load_file
+
+from llmc.artifact.writer import MANIFEST
+from llmc.device import resolve_device
+from llmc.errors import LlmcError
+from llmc.pipeline import run_quantize
+from llmc.recipe import load_recipe
+
+STAGES = {
+    "gptq": "  - type: gptq\n    scheme: W4A16\n    weights: {group_size: 32}\n",
+    "awq-rtn": "  - type: awq\n  - type: rtn\n    scheme: W4A16\n    weights: {group_size: 32}\n",
+    "smoothquant-w8a8-static": "  - type: smoothquant\n  - type: rtn\n    scheme: W8A8\n    input_activations: {dynamic: false}\n",
+    "fp8-kv": "  - type: rtn\n    scheme: FP8_DYNAMIC\nkv_cache: {num_bits: 8, type: float}\n",
+}
+
+
+def quantize(tmp_path, model, calib_file, stage: str, device: str):
+    recipe = write_recipe(tmp_path / f"{device}.yaml", model, tmp_path / device.replace(":", "-"), stage, calib_file)
+    recipe.write_text(recipe.read_text().replace("stages:\n", f"device: {device}\nstages:\n"))
+    return run_quantize(load_recipe(recipe))
+
+
+def tensors(artifact) -> dict[str, torch.Tensor]:
+    return {name: tensor for shard in sorted(artifact.glob("*.safetensors")) for name, tensor in load_file(shard).items()}
+
+
+def test_auto_is_cuda_when_there_is_one_else_cpu_and_bad_names_are_refused():
+    assert resolve_device("auto").type == ("cuda" if torch.cuda.is_available() else "cpu")
+    assert resolve_device("cpu") == torch.device("cpu")
+    with pytest.raises(LlmcError, match="expected auto, cpu, cuda or cuda:N, got 'gpu'"):
+        resolve_device("gpu")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal where there is no CUDA")
+def test_cuda_without_cuda_is_one_error_naming_the_line_before_any_work(tmp_path, tiny_llama, calib_file):
+    with pytest.raises(LlmcError) as error:
+        quantize(tmp_path, tiny_llama, calib_file, STAGES["gptq"], "cuda")
+    assert str(error.value).startswith("cuda.yaml line 7: device: cuda asked for, but")
+    assert "use device: cpu (or auto)" in str(error.value)
+    assert not (tmp_path / "cuda").exists() and not list(tmp_path.glob(".cuda.partial-*"))
+
+
+def test_the_manifest_records_the_device_and_peak_memory(tmp_path, tiny_llama, calib_file):
+    artifact = quantize(tmp_path, tiny_llama, calib_file, STAGES["gptq"], "cpu")
+    manifest = json.loads((artifact / MANIFEST).read_text())
+    assert manifest["device"] == "cpu" and manifest["memory"]["peak_device_gib"] is None
+    assert 0.1 < manifest["memory"]["peak_host_rss_gib"] < 64
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA to compare against the CPU")
+@pytest.mark.parametrize("stage", list(STAGES))
+def test_every_stage_on_cuda_matches_the_cpu(tmp_path, tiny_llama, calib_file, stage):
+    on_cpu, on_cuda = (tensors(quantize(tmp_path, tiny_llama, calib_file, STAGES[stage], device)) for device in ("cpu", "cuda"))
+    assert on_cpu.keys() == on_cuda.keys()
+    for name, tensor in on_cpu.items():
+        if tensor.dtype in (torch.int32, torch.int8, torch.float8_e4m3fn):  # packed or unpacked codes
+            assert (tensor.view(torch.uint8) == on_cuda[name].view(torch.uint8)).float().mean() >= 0.999, name
+        else:
+            torch.testing.assert_close(tensor.float(), on_cuda[name].float(), rtol=1e-3, atol=1e-4)
