@@ -152,3 +152,25 @@ def test_failure_midway_leaves_nothing(tmp_path, tiny_llama, monkeypatch):
     with pytest.raises(KeyboardInterrupt):
         quantize(tmp_path, tiny_llama, SCHEMES["w8-channel"])
     assert list(tmp_path.iterdir()) == [tmp_path / "art.yaml"]
+
+
+def test_a_killed_runs_staging_folder_is_removed_by_the_next_run(tmp_path, tiny_llama, capfd):
+    import signal
+    import subprocess
+    import sys
+
+    stage = "  - type: rtn\n    scheme: W4A16\n    weights: {group_size: 32}\n"
+    recipe = write_recipe(tmp_path / "r.yaml", tiny_llama, tmp_path / "out", stage)
+    # a run that gets as far as staging, then is killed outright: its folder stays behind
+    script = ("import os, signal, pathlib, llmc.pipeline as p; from llmc.recipe import load_recipe\n"
+              "p.quantize_layerwise = lambda *a, **k: os.kill(os.getpid(), signal.SIGKILL)\n"
+              f"p.run_quantize(load_recipe(pathlib.Path({str(recipe)!r})))")
+    killed = subprocess.run([sys.executable, "-c", script], capture_output=True)
+    assert killed.returncode == -signal.SIGKILL
+    stale = list(tmp_path.glob(".out.partial-*"))
+    assert len(stale) == 1
+    mine = tmp_path / ".out.partial-1"  # pid 1 runs for as long as the machine does: never stale
+    mine.mkdir()
+    run_quantize(load_recipe(recipe))
+    assert not stale[0].exists() and mine.exists() and (tmp_path / "out").is_dir()
+    assert f"removed {stale[0]}, left behind by process" in capfd.readouterr().err

@@ -4,6 +4,7 @@ import hashlib
 import json
 import os
 import shutil
+import sys
 from collections.abc import Callable
 from contextlib import contextmanager
 from pathlib import Path
@@ -21,9 +22,30 @@ MANIFEST = "llmc.json"
 INDEX = "model.safetensors.index.json"
 
 
+def process_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # alive, someone else's
+        return True
+    return True
+
+
+def remove_stale_staging(output: Path) -> None:
+    """A run killed outright (SIGKILL, the OOM killer, a lost machine) leaves its staging folder behind: remove the
+    ones whose process is gone, saying so."""
+    for folder in output.parent.glob(f".{output.name}.partial-*"):
+        pid = folder.name.rsplit("-", 1)[1]
+        if pid.isdigit() and not process_alive(int(pid)):
+            shutil.rmtree(folder, ignore_errors=True)
+            print(f"removed {folder}, left behind by process {pid}, which no longer runs", file=sys.stderr)
+
+
 @contextmanager
 def staged_folder(output: Path, overwrite: bool = False):
     check_output(output, overwrite)
+    remove_stale_staging(output)
     staging = output.with_name(f".{output.name}.partial-{os.getpid()}")
     shutil.rmtree(staging, ignore_errors=True)
     staging.mkdir(parents=True)
