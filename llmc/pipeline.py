@@ -16,6 +16,7 @@ from llmc.artifact.export import exporter_for
 from llmc.artifact.writer import ShardWriter, staged_folder, write_manifest
 from llmc.calib.data import load_calibration
 from llmc.calib.driver import build_skeleton, decoder_layers, decoder_linears, quantize_layerwise
+from llmc.calib.memory import estimate_memory, require_fits
 from llmc.device import describe_device, peak_memory, resolve_device
 from llmc.evals.gate import GateFailed, require_gate_passed
 from llmc.evals.inputs import EvalInputs
@@ -60,6 +61,10 @@ def run_quantize(recipe: Recipe, overwrite: bool = False, eval_inputs: EvalInput
     calibration = None
     if recipe.calibration:
         calibration = resolved(recipe, ("calibration", "dataset"), lambda: load_calibration(recipe.calibration, tokenizer))
+    num_samples, seq_len = calibration.input_ids.shape if calibration is not None else (0, 0)
+    estimate = estimate_memory(config, [stage.type for stage in recipe.stages], num_samples, seq_len, device)
+    print(estimate.describe(), file=sys.stderr)
+    require_fits(estimate, device)
     timings["prepare_s"] = time.perf_counter() - started
 
     with staged_folder(output, overwrite) as staging:
@@ -102,7 +107,7 @@ def run_quantize(recipe: Recipe, overwrite: bool = False, eval_inputs: EvalInput
             },
             "layers": [asdict(report) for report in reports],
             "device": str(device),
-            "memory": quantize_memory,
+            "memory": quantize_memory | {"estimate": estimate.to_dict()},
             "timings": timings,
             "eval": evals,
         })

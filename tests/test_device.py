@@ -64,3 +64,28 @@ def test_every_stage_on_cuda_matches_the_cpu(tmp_path, tiny_llama, calib_file, s
             assert (tensor.view(torch.uint8) == on_cuda[name].view(torch.uint8)).float().mean() >= 0.999, name
         else:
             torch.testing.assert_close(tensor.float(), on_cuda[name].float(), rtol=1e-3, atol=1e-4)
+
+
+def test_the_preflight_refuses_a_run_that_cannot_fit_naming_what_to_lower(tmp_path, tiny_llama, calib_file, monkeypatch):
+    import llmc.calib.memory
+    import llmc.pipeline
+
+    monkeypatch.setattr(llmc.calib.memory, "available_host_bytes", lambda: 2**20)
+    monkeypatch.setattr(llmc.pipeline, "quantize_layerwise", lambda *args: pytest.fail("weights were read"))
+    with pytest.raises(LlmcError, match=r"memory estimate: host .* needs more than the 0.0 GiB of host memory available; "
+                                        r"the largest part is .*: lower"):
+        quantize(tmp_path, tiny_llama, calib_file, STAGES["gptq"], "cpu")
+    assert not (tmp_path / "cpu").exists()
+
+
+def test_the_estimate_grows_with_the_calibration_set_and_gptq_solves_the_widest_input():
+    from transformers import LlamaConfig
+
+    from llmc.calib.memory import estimate_memory
+
+    config = LlamaConfig(hidden_size=4096, intermediate_size=14336, num_attention_heads=32, num_key_value_heads=8, vocab_size=128256)
+    small, large = (estimate_memory(config, ["gptq"], samples, 2048, torch.device("cpu")) for samples in (16, 128))
+    assert large.host_gib > small.host_gib and large.parts_gib["activations"] == 8 * small.parts_gib["activations"]
+    assert small.parts_gib["statistics"] > 7 * 14336**2 * 4 / 2**30  # the down projection's Hessian, solved
+    rtn = estimate_memory(config, ["rtn"], 16, 2048, torch.device("cpu"))
+    assert rtn.parts_gib["statistics"] == 0 and rtn.device_gib is None

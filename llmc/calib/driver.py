@@ -16,6 +16,7 @@ from torch import nn
 from tqdm import tqdm
 
 from llmc.calib.data import CalibrationSet
+from llmc.calib.memory import activations_fit_device
 from llmc.calib.observers import observing_scales
 from llmc.models.checkpoint import CheckpointReader
 from llmc.models.families import Family
@@ -80,14 +81,10 @@ def embed(reader: CheckpointReader, family: Family, input_ids: torch.Tensor) -> 
 
 
 def activations_home(hidden: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """Where the calibration activations live between layers: on the device when two copies of them (a layer's
-    inputs and outputs) take at most a quarter of its free memory, else in pinned host memory, moved a batch at a time."""
-    if device.type != "cuda":
-        return hidden
-    free, _ = torch.cuda.mem_get_info(device)
-    if 2 * hidden.numel() * hidden.element_size() <= free / 4:
+    """The calibration activations on the device when they fit, else pinned in host memory (a CUDA run) or as they are."""
+    if activations_fit_device(hidden.numel() * hidden.element_size(), device):
         return hidden.to(device)
-    return hidden.pin_memory()
+    return hidden.pin_memory() if device.type == "cuda" else hidden
 
 
 def quantize_layerwise(

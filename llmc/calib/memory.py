@@ -1,0 +1,120 @@
+"""The memory preflight: peak host and device memory of a layer-by-layer run, estimated from the model's config
+and the recipe before any weight is read, and a run that cannot fit refused with what to lower."""
+import os
+from dataclasses import asdict, dataclass, field
+
+import torch
+
+from llmc.errors import LlmcError
+
+GIB = 2**30
+FLOAT32 = 4
+PROCESS_BYTES = 0.55 * GIB  # python, torch, transformers and llmc imported, before any tensor
+RUNNER_BATCH = 8  # samples per forward (LayerRunner's default)
+GPTQ_SOLVE_COPIES = 7  # square float32 matrices alive at once while solving the widest input: sums, H, H + λI, L, L⁻¹, U, I
+# a layer's inputs, its reference outputs, and its new outputs twice while their batches are concatenated
+ACTIVATION_COPIES = 4
+
+
+@dataclass
+class LayerShapes:
+    hidden: int
+    intermediate: int
+    attention_width: int  # num_heads x head_dim
+    kv_width: int  # num_kv_heads x head_dim
+    vocab: int
+    num_layers: int
+
+    @classmethod
+    def of(cls, config) -> "LayerShapes":
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        return cls(config.hidden_size, config.intermediate_size, config.num_attention_heads * head_dim,
+                   config.num_key_value_heads * head_dim, config.vocab_size, config.num_hidden_layers)
+
+    @property
+    def layer_params(self) -> int:
+        attention = self.hidden * (self.attention_width + 2 * self.kv_width) + self.attention_width * self.hidden
+        return attention + 3 * self.hidden * self.intermediate
+
+
+@dataclass
+class MemoryEstimate:
+    """GiB. host: the process's peak resident memory; device: peak allocated on a CUDA device (None on CPU)."""
+
+    host_gib: float
+    device_gib: float | None
+    parts_gib: dict[str, float] = field(default_factory=dict)  # what the peak is made of, where it lives
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    def describe(self) -> str:
+        parts = ", ".join(f"{name} {value:.2f}" for name, value in self.parts_gib.items())
+        device = "" if self.device_gib is None else f", device {self.device_gib:.2f} GiB"
+        return f"memory estimate: host {self.host_gib:.2f} GiB{device} ({parts})"
+
+
+def activations_fit_device(num_bytes: int, device: torch.device) -> bool:
+    """Whether the calibration activations stay on a CUDA device between layers: when two copies of them (a layer's
+    inputs and outputs) take at most a quarter of its free memory. Otherwise they wait in pinned host memory."""
+    return device.type == "cuda" and 2 * num_bytes <= torch.cuda.mem_get_info(device)[0] / 4
+
+
+def estimate_memory(config, stage_types: list[str], num_samples: int, seq_len: int, device: torch.device) -> MemoryEstimate:
+    """The largest of the run's footprints: the layer loop's (one float32 layer, the calibration activations, one
+    batch's intermediates, the stages' statistics: GPTQ's Hessians per distinct input and its solve of the widest one,
+    AWQ's recorded block inputs), embedding the calibration set, and writing the embedding and LM head at the end."""
+    shapes = LayerShapes.of(config)
+    tokens = num_samples * seq_len
+    activations_on_device = activations_fit_device(tokens * shapes.hidden * FLOAT32, device)
+    parts = {
+        "layer weights": shapes.layer_params * FLOAT32,
+        "activations": ACTIVATION_COPIES * tokens * shapes.hidden * FLOAT32,
+        "batch intermediates": 3 * min(RUNNER_BATCH, num_samples) * seq_len * shapes.intermediate * FLOAT32 if tokens else 0,
+        "statistics": _statistics_bytes(shapes, stage_types, tokens),
+    }
+    embedding = shapes.vocab * shapes.hidden * FLOAT32  # embedding the calibration set; the LM head at the end
+    if device.type != "cuda":
+        host = PROCESS_BYTES + max(sum(parts.values()), embedding + parts["activations"] / ACTIVATION_COPIES, 2 * embedding)
+        return MemoryEstimate(round(host / GIB, 2), None, {name: round(value / GIB, 2) for name, value in parts.items()})
+    on_device = parts["layer weights"] + parts["batch intermediates"] + parts["statistics"]
+    on_device += parts["activations"] if activations_on_device else 0
+    host = PROCESS_BYTES + max(2 * embedding, 0 if activations_on_device else parts["activations"]) + parts["layer weights"]
+    return MemoryEstimate(round(host / GIB, 2), round(on_device / GIB, 2), {name: round(value / GIB, 2) for name, value in parts.items()})
+
+
+def _statistics_bytes(shapes: LayerShapes, stage_types: list[str], tokens: int) -> int:
+    widest = max(shapes.hidden, shapes.attention_width, shapes.intermediate)
+    total = 0
+    if "gptq" in stage_types:
+        hessians = 2 * shapes.hidden**2 + shapes.attention_width**2  # q/k/v share one, gate/up another, o its own
+        total += hessians * FLOAT32 + GPTQ_SOLVE_COPIES * widest**2 * FLOAT32
+    if "awq" in stage_types:  # every block's inputs, kept until the layer's scales are searched
+        total += tokens * (2 * shapes.hidden + shapes.attention_width + shapes.intermediate) * FLOAT32
+    return total
+
+
+def available_host_bytes() -> int:
+    with open("/proc/meminfo") as meminfo:
+        for line in meminfo:
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def require_fits(estimate: MemoryEstimate, device: torch.device) -> None:
+    """One error naming what to lower when the estimate exceeds what the host (or the device) has free."""
+    largest = max(estimate.parts_gib, key=estimate.parts_gib.get)
+    advice = {"activations": "calibration.num_samples or calibration.seq_len",
+              "batch intermediates": "calibration.seq_len",
+              "statistics": "calibration.num_samples (AWQ keeps its inputs) or use a device with more memory",
+              "layer weights": "nothing in the recipe: use a machine with more memory"}[largest]
+    host_free = available_host_bytes() / GIB
+    if estimate.host_gib > host_free:
+        raise LlmcError(f"{estimate.describe()} needs more than the {host_free:.1f} GiB of host memory available; "
+                        f"the largest part is {largest}: lower {advice}")
+    if estimate.device_gib is not None:
+        device_free = torch.cuda.mem_get_info(device)[0] / GIB
+        if estimate.device_gib > device_free:
+            raise LlmcError(f"{estimate.describe()} needs more than the {device_free:.1f} GiB free on {device}; "
+                            f"the largest part is {largest}: lower {advice}")
