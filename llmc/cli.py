@@ -6,6 +6,7 @@ import sys
 from pathlib import Path
 
 import click
+from click.core import ParameterSource
 from rich.console import Console
 
 from llmc.errors import LlmcError
@@ -93,11 +94,12 @@ def quantize(recipe: Path, output: str | None, overrides: tuple[str, ...], overw
               help="With --speculative: also compare throughput with this many requests in flight.")
 @click.option("--histogram", type=click.Path(path_type=Path), help="With --speculative: the accepted-length histogram (PNG).")
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
+@click.option("--device", default="auto", show_default=True, help="auto (the first CUDA device, else the CPU), cpu, cuda or cuda:N.")
 @with_options(SPECULATIVE_SHAPE_OPTIONS)
 def evaluate(targets: tuple[str, ...], perplexity_data: str | None, seq_len: int, max_windows: int, business: str | None,
              tasks: str | None, limit: int | None, gate: tuple[str, ...], out: Path | None, speculative: str | None,
              prompts_file: Path | None, num_prompts: int, max_tokens: int, concurrency: int, histogram: Path | None,
-             as_json: bool, **shape) -> None:
+             as_json: bool, device: str, **shape) -> None:
     """Evaluate TARGETS (model specs or artifacts) side by side; the first is the baseline."""
     if speculative is not None:
         from llmc.evals.speculative import evaluate_speculative, speculative_table
@@ -113,11 +115,18 @@ def evaluate(targets: tuple[str, ...], perplexity_data: str | None, seq_len: int
 
     config = options_eval_config(perplexity_data, seq_len, max_windows, business, tasks, limit, list(gate))
     inputs = load_eval_inputs(config)  # before the models' imports: a missing input fails fast
+    from llmc.device import describe_device, resolve_device
+
+    try:
+        eval_device = resolve_device(device)
+    except LlmcError as error:
+        raise LlmcError(f"--device: {error}") from None
+    click.echo(f"device: {describe_device(eval_device)}", err=True)
     from llmc.evals.gate import require_gate_passed
     from llmc.evals.report import summary_table, write_report
     from llmc.evals.suite import evaluate_specs
 
-    report = evaluate_specs(list(targets), config, inputs)
+    report = evaluate_specs(list(targets), config, inputs, eval_device)
     if out is not None:
         write_report(report, out)
     if as_json:
@@ -190,6 +199,12 @@ def build_engine(model: str, dtype: str, no_prefix_caching: bool, speculative: s
     return LLMEngine(model, config)
 
 
+def explicit_options(ctx: click.Context, options: dict) -> dict:
+    """The options set on the command line or in the environment, not left at their defaults."""
+    defaults = (ParameterSource.DEFAULT, ParameterSource.DEFAULT_MAP)
+    return {name: value for name, value in options.items() if ctx.get_parameter_source(name) not in defaults}
+
+
 def require_serve_extra() -> None:
     import importlib.util
 
@@ -200,6 +215,11 @@ def require_serve_extra() -> None:
 
 @cli.command()
 @click.argument("artifact")
+@click.argument("vllm_args", nargs=-1, type=click.UNPROCESSED, metavar="[-- VLLM_ARGS...]")
+@click.option("--engine", type=click.Choice(["llmc", "vllm"]), default="llmc", show_default=True,
+              help="vllm: hand serving to `vllm serve` with the options below that it shares; VLLM_ARGS after `--` go to it.")
+@click.option("--vllm", "vllm_executable", metavar="PATH",
+              help="The `vllm` executable for --engine vllm (default: `vllm` on PATH, else the repository's .vllm-venv/bin/vllm).")
 @click.option("--host", default="127.0.0.1", show_default=True)
 @click.option("--port", type=int, default=8000, show_default=True)
 @click.option("--api-key", envvar="LLMC_API_KEY", help="Require `Authorization: Bearer KEY` on /v1 (or set LLMC_API_KEY).")
@@ -207,9 +227,19 @@ def require_serve_extra() -> None:
 @click.option("--max-waiting", type=click.IntRange(min=0), default=DEFAULT_MAX_WAITING, show_default=True,
               help="Requests queued beyond --max-num-seqs before the server answers 503.")
 @with_options(ENGINE_OPTIONS)
-def serve(artifact: str, host: str, port: int, api_key: str | None, served_model_name: str | None, max_waiting: int,
-          **engine_options) -> None:
+@click.pass_context
+def serve(ctx: click.Context, artifact: str, vllm_args: tuple[str, ...], engine: str, vllm_executable: str | None, host: str,
+          port: int, api_key: str | None, served_model_name: str | None, max_waiting: int, **engine_options) -> None:
     """Serve ARTIFACT (or any model spec) over an OpenAI-compatible HTTP API."""
+    if engine == "vllm":
+        from llmc.serve_vllm import exec_vllm, find_vllm, vllm_command
+
+        options = explicit_options(ctx, engine_options | {"max_waiting": max_waiting})
+        exec_vllm(vllm_command(find_vllm(vllm_executable), artifact, host, port, api_key, served_model_name or artifact, options,
+                               vllm_args))
+    if vllm_args or vllm_executable is not None:
+        given = "--vllm" if vllm_executable is not None else " ".join(vllm_args)
+        raise LlmcError(f"{given}: only with --engine vllm")
     require_serve_extra()
     from llmc.runtime.serving.async_engine import AsyncLLMEngine
     from llmc.runtime.serving.server import serve as run_server

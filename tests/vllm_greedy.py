@@ -1,7 +1,9 @@
-"""Greedy generation with vLLM, run by the python of vLLM's venv (tests/test_vllm_compat.py). argv: REQUEST RESULTS,
-two JSON files. REQUEST: {"artifacts": [...], "prompts": [[token id, ...], ...], "max_tokens", "max_model_len", "dtype"}.
-RESULTS gets one line per artifact, {"artifact", "token_ids"} or {"artifact", "error"}. vLLM logs to stdout and stderr;
-each artifact's part of that log begins with a line `=== ARTIFACT`."""
+"""Greedy generation with vLLM, run by the python of vLLM's venv for tests/test_vllm_compat.py (not a test itself).
+argv: REQUEST RESULTS. REQUEST (JSON): {"artifacts", "prompts" (token id lists), "max_tokens", "max_model_len", "dtype"}.
+RESULTS gets a JSON line per artifact: {"artifact", "token_ids", "generate_s"}, or {"artifact", "error"} when vLLM
+cannot load or run it. vLLM's log goes to stdout and stderr, each artifact's part after a line `=== ARTIFACT`.
+The artifacts share one process: with VLLM_ENABLE_V1_MULTIPROCESSING=0 and the "uni" executor vLLM's engine runs in
+it, so no engine or worker process is started per artifact."""
 import gc
 import json
 import sys
@@ -17,9 +19,10 @@ def generate(artifact: str, request: dict) -> dict:
               enforce_eager=True, distributed_executor_backend="uni", seed=0)
     try:
         params = SamplingParams(temperature=0, max_tokens=request["max_tokens"], ignore_eos=True)
-        start = time.perf_counter()
+        started = time.perf_counter()
         outputs = llm.generate([TokensPrompt(prompt_token_ids=ids) for ids in request["prompts"]], params, use_tqdm=False)
-        return {"token_ids": [list(output.outputs[0].token_ids) for output in outputs], "generate_s": round(time.perf_counter() - start, 1)}
+        return {"token_ids": [list(output.outputs[0].token_ids) for output in outputs],
+                "generate_s": round(time.perf_counter() - started, 1)}
     finally:
         del llm
         gc.collect()

@@ -1,0 +1,84 @@
+"""`llmc serve --engine vllm`: the `vllm serve` command line it hands over to, checked with a stand-in `vllm` that
+prints its arguments, and the errors when vLLM is missing or an option has no vLLM equivalent."""
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from llmc import serve_vllm
+from llmc.errors import LlmcError
+
+
+def llmc_serve(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "llmc", "serve", *args], capture_output=True, text=True, timeout=120)
+
+
+@pytest.fixture
+def fake_vllm(tmp_path) -> Path:
+    """A `vllm` that prints its arguments one a line, leaves a mark that it ran, and exits 7."""
+    path = tmp_path / "vllm"
+    path.write_text(f"#!/bin/sh\nprintf '%s\\n' \"$@\"\ntouch {tmp_path / 'ran'}\nexit 7\n")
+    path.chmod(0o755)
+    return path
+
+
+def test_missing_vllm_is_one_clear_error():
+    run = llmc_serve("--engine", "vllm", "--vllm", "/nonexistent", "artifacts/x")
+    assert run.returncode != 0
+    assert run.stderr.startswith("error: vLLM not found: /nonexistent") and "Traceback" not in run.stderr
+    assert "benchmarks/vllm_venv.sh" in run.stderr and "pip install vllm" in run.stderr
+    assert len(run.stderr.strip().splitlines()) == 1
+
+
+def test_the_command_line_vllm_gets(fake_vllm, tmp_path):
+    run = llmc_serve("--engine", "vllm", "--vllm", str(fake_vllm), "artifacts/x", "--host", "0.0.0.0", "--port", "9001",
+                     "--api-key", "secret", "--max-model-len", "1024", "--max-num-seqs", "8", "--dtype", "float32",
+                     "--", "--tensor-parallel-size", "8", "--pipeline-parallel-size", "2")
+    assert run.returncode == 7, run.stderr  # vLLM's own exit code: llmc became it
+    assert run.stdout.splitlines() == [
+        "serve", "artifacts/x", "--host", "0.0.0.0", "--port", "9001", "--api-key", "secret", "--served-model-name", "artifacts/x",
+        "--max-model-len", "1024", "--max-num-seqs", "8", "--dtype", "float32",
+        "--tensor-parallel-size", "8", "--pipeline-parallel-size", "2",
+    ]
+
+
+def test_defaults_are_llmc_serves(fake_vllm):
+    run = llmc_serve("--engine", "vllm", "--vllm", str(fake_vllm), "artifacts/x", "--served-model-name", "x")
+    assert run.stdout.splitlines() == ["serve", "artifacts/x", "--host", "127.0.0.1", "--port", "8000", "--served-model-name", "x"]
+
+
+def test_options_without_a_vllm_equivalent_are_refused(fake_vllm, tmp_path):
+    run = llmc_serve("--engine", "vllm", "--vllm", str(fake_vllm), "artifacts/x", "--max-waiting", "3", "--speculative", "off")
+    assert run.returncode == 2 and not (tmp_path / "ran").exists()
+    assert run.stderr.startswith("error: --speculative, --max-waiting: no vLLM equivalent for --engine vllm"), run.stderr
+
+
+def test_vllm_arguments_need_the_vllm_engine():
+    run = llmc_serve("artifacts/x", "--", "--tensor-parallel-size", "8")
+    assert run.returncode == 2 and run.stderr == "error: --tensor-parallel-size 8: only with --engine vllm\n"
+
+
+def test_llmc_options_map_onto_vllm_flags():
+    options = {"kv_cache_gib": 0.5, "no_prefix_caching": True, "max_num_batched_tokens": 256}
+    command = serve_vllm.vllm_command("/bin/vllm", "art", "127.0.0.1", 8000, None, "art", options)
+    assert command[command.index("--kv-cache-memory-bytes") + 1] == str(2**29)
+    assert "--no-enable-prefix-caching" in command and command[-2:] == ["--max-num-batched-tokens", "256"]
+    with pytest.raises(LlmcError, match="--num-speculative-tokens: no vLLM equivalent"):
+        serve_vllm.vllm_command("/bin/vllm", "art", "127.0.0.1", 8000, None, "art", {"num_speculative_tokens": 3})
+
+
+def test_vllm_is_looked_up_on_path_then_in_the_repository(tmp_path, monkeypatch):
+    monkeypatch.setenv("PATH", str(tmp_path))
+    monkeypatch.setattr(serve_vllm, "REPO_VENV_VLLM", tmp_path / "venv" / "bin" / "vllm")
+    with pytest.raises(LlmcError, match="vLLM not found: no `vllm` on PATH nor .*venv/bin/vllm; install it"):
+        serve_vllm.find_vllm(None)
+    serve_vllm.REPO_VENV_VLLM.parent.mkdir(parents=True)
+    serve_vllm.REPO_VENV_VLLM.write_text("#!/bin/sh\n")
+    serve_vllm.REPO_VENV_VLLM.chmod(0o755)
+    assert serve_vllm.find_vllm(None) == str(serve_vllm.REPO_VENV_VLLM)
+    on_path = tmp_path / "vllm"
+    on_path.write_text("#!/bin/sh\n")
+    on_path.chmod(0o755)
+    assert serve_vllm.find_vllm(None) == str(on_path)
+    assert serve_vllm.find_vllm("vllm") == str(on_path)
