@@ -73,14 +73,22 @@ def estimate_memory(config, stage_types: list[str], num_samples: int, seq_len: i
         "batch intermediates": 3 * min(RUNNER_BATCH, num_samples) * seq_len * shapes.intermediate * FLOAT32 if tokens else 0,
         "statistics": _statistics_bytes(shapes, stage_types, tokens),
     }
-    embedding = shapes.vocab * shapes.hidden * FLOAT32  # embedding the calibration set; the LM head at the end
+    stored = shapes.vocab * shapes.hidden * checkpoint_bytes(config)
+    embedding = shapes.vocab * shapes.hidden * FLOAT32 + stored  # embedding the calibration set: a float32 copy of the table
+    written = stored * (1 if getattr(config, "tie_word_embeddings", False) else 2)  # the embedding and LM head, written last
     if device.type != "cuda":
-        host = PROCESS_BYTES + max(sum(parts.values()), embedding + parts["activations"] / ACTIVATION_COPIES, 2 * embedding)
+        host = PROCESS_BYTES + max(sum(parts.values()), embedding + parts["activations"] / ACTIVATION_COPIES, written)
         return MemoryEstimate(round(host / GIB, 2), None, {name: round(value / GIB, 2) for name, value in parts.items()})
     on_device = parts["layer weights"] + parts["batch intermediates"] + parts["statistics"]
     on_device += parts["activations"] if activations_on_device else 0
-    host = PROCESS_BYTES + max(2 * embedding, 0 if activations_on_device else parts["activations"]) + parts["layer weights"]
+    host = PROCESS_BYTES + max(embedding, written, 0 if activations_on_device else parts["activations"]) + parts["layer weights"]
     return MemoryEstimate(round(host / GIB, 2), round(on_device / GIB, 2), {name: round(value / GIB, 2) for name, value in parts.items()})
+
+
+def checkpoint_bytes(config) -> int:
+    """Bytes per parameter as the checkpoint stores them (its config's dtype; float32 when it names none)."""
+    dtype = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None) or torch.float32
+    return (getattr(torch, dtype) if isinstance(dtype, str) else dtype).itemsize
 
 
 def _statistics_bytes(shapes: LayerShapes, stage_types: list[str], tokens: int) -> int:
