@@ -23,13 +23,12 @@ class LayerShapes:
     attention_width: int  # num_heads x head_dim
     kv_width: int  # num_kv_heads x head_dim
     vocab: int
-    num_layers: int
 
     @classmethod
     def of(cls, config) -> "LayerShapes":
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         return cls(config.hidden_size, config.intermediate_size, config.num_attention_heads * head_dim,
-                   config.num_key_value_heads * head_dim, config.vocab_size, config.num_hidden_layers)
+                   config.num_key_value_heads * head_dim, config.vocab_size)
 
     @property
     def layer_params(self) -> int:

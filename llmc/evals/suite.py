@@ -15,8 +15,6 @@ from llmc.evals.inputs import EvalInputs, load_eval_inputs
 from llmc.evals.loading import LoadedModel, load_model
 from llmc.evals.perplexity import perplexity
 
-CPU = torch.device("cpu")
-
 
 @dataclass
 class EvalTarget:
@@ -31,7 +29,7 @@ class Measured:
     business: BusinessResult | None
 
 
-def evaluate_specs(specs: list[str], config: EvalConfig, inputs: EvalInputs | None = None, device: torch.device = CPU) -> dict:
+def evaluate_specs(specs: list[str], config: EvalConfig, inputs: EvalInputs | None = None, device: torch.device | str = "cpu") -> dict:
     """evaluate_side_by_side over model specs or artifact folders, each labelled as given (a repeat gets #N)."""
     if config.gate is not None and len(specs) < 2:
         raise LlmcError("--gate compares targets with the first one: give at least two targets")
@@ -40,7 +38,7 @@ def evaluate_specs(specs: list[str], config: EvalConfig, inputs: EvalInputs | No
 
 
 def evaluate_side_by_side(targets: list[EvalTarget], config: EvalConfig, inputs: EvalInputs | None = None,
-                          device: torch.device = CPU) -> dict:
+                          device: torch.device | str = "cpu") -> dict:
     """inputs: load_eval_inputs(config), when the caller resolved them already. Every target is evaluated by
     transformers on device, on the artifact's dequantized weights (with its activation and KV-cache quantization
     emulated), so the numbers are the artifact's own wherever they are measured."""

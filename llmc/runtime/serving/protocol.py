@@ -99,6 +99,7 @@ class SamplingRequest(BaseModel):
     def sampling_params(self, prompt_len: int, max_model_len: int) -> list[SamplingParams]:
         """One per choice. With a seed, choice i samples from seed + i: the same request gives the same choices
         again, and its choices differ from each other."""
+        structured_output = self.structured_output()
         return [
             SamplingParams(
                 temperature=self.temperature,
@@ -111,7 +112,7 @@ class SamplingRequest(BaseModel):
                 ignore_eos=self.ignore_eos,
                 logprobs=self.num_logprobs(),
                 prompt_logprobs=self.num_prompt_logprobs(),
-                structured_output=self.structured_output(),
+                structured_output=structured_output,
             )
             for choice in range(self.n)
         ]
