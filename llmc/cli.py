@@ -47,6 +47,22 @@ def with_options(options: list):
     return decorate
 
 
+DEVICE_OPTION = click.option("--device", default="auto", show_default=True,
+                             help="auto (the first CUDA device, else the CPU), cpu, cuda or cuda:N.")
+
+
+def chosen_device(name: str):
+    """--device resolved and printed, before any work."""
+    from llmc.device import describe_device, resolve_device
+
+    try:
+        device = resolve_device(name)
+    except LlmcError as error:
+        raise LlmcError(f"--device: {error}") from None
+    click.echo(f"device: {describe_device(device)}", err=True)
+    return device
+
+
 @click.group()
 @click.version_option(package_name="llmc-toolchain")
 def cli() -> None:
@@ -94,7 +110,7 @@ def quantize(recipe: Path, output: str | None, overrides: tuple[str, ...], overw
               help="With --speculative: also compare throughput with this many requests in flight.")
 @click.option("--histogram", type=click.Path(path_type=Path), help="With --speculative: the accepted-length histogram (PNG).")
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
-@click.option("--device", default="auto", show_default=True, help="auto (the first CUDA device, else the CPU), cpu, cuda or cuda:N.")
+@DEVICE_OPTION
 @with_options(SPECULATIVE_SHAPE_OPTIONS)
 def evaluate(targets: tuple[str, ...], perplexity_data: str | None, seq_len: int, max_windows: int, business: str | None,
              tasks: str | None, limit: int | None, gate: tuple[str, ...], out: Path | None, speculative: str | None,
@@ -104,7 +120,8 @@ def evaluate(targets: tuple[str, ...], perplexity_data: str | None, seq_len: int
     if speculative is not None:
         from llmc.evals.speculative import evaluate_speculative, speculative_table
 
-        result = evaluate_speculative(targets[0], speculative, prompts_file, num_prompts, max_tokens, concurrency, histogram, shape)
+        result = evaluate_speculative(targets[0], speculative, prompts_file, num_prompts, max_tokens, concurrency, histogram,
+                                      shape, chosen_device(device))
         if as_json:
             click.echo(json.dumps(result, indent=2))
         else:
@@ -114,14 +131,8 @@ def evaluate(targets: tuple[str, ...], perplexity_data: str | None, seq_len: int
     from llmc.evals.inputs import load_eval_inputs
 
     config = options_eval_config(perplexity_data, seq_len, max_windows, business, tasks, limit, list(gate))
+    eval_device = chosen_device(device)
     inputs = load_eval_inputs(config)  # before the models' imports: a missing input fails fast
-    from llmc.device import describe_device, resolve_device
-
-    try:
-        eval_device = resolve_device(device)
-    except LlmcError as error:
-        raise LlmcError(f"--device: {error}") from None
-    click.echo(f"device: {describe_device(eval_device)}", err=True)
     from llmc.evals.gate import require_gate_passed
     from llmc.evals.report import summary_table, write_report
     from llmc.evals.suite import evaluate_specs
@@ -157,7 +168,8 @@ def inspect(artifact: Path, as_json: bool) -> None:
 @click.option("--prompts", type=click.Path(path_type=Path), multiple=True,
               help="JSONL training prompts, repeatable (default: the project's two calib_data sets).")
 @click.option("--set", "overrides", multiple=True, metavar="FIELD=VALUE", help="Set a `draft:` field, e.g. --set steps=600.")
-def train_draft_command(artifact: Path, prompts: tuple[Path, ...], overrides: tuple[str, ...]) -> None:
+@DEVICE_OPTION
+def train_draft_command(artifact: Path, prompts: tuple[Path, ...], overrides: tuple[str, ...], device: str) -> None:
     """Train draft heads on ARTIFACT's own answers and store them in ARTIFACT/draft."""
     from llmc.draft.build import train_draft
     from llmc.draft.config import DraftConfig
@@ -166,7 +178,8 @@ def train_draft_command(artifact: Path, prompts: tuple[Path, ...], overrides: tu
 
     fields: dict = {"prompts": [str(file) for file in prompts]} if prompts else {}
     apply_overrides(fields, list(overrides))
-    folder = train_draft(artifact, validated(DraftConfig, fields, "llmc train-draft options", prefix="draft."))
+    config = validated(DraftConfig, fields, "llmc train-draft options", prefix="draft.")
+    folder = train_draft(artifact, config, chosen_device(device))
     console.print(f"[green]wrote[/] {folder}")
 
 

@@ -20,7 +20,7 @@ def resolve_device(name: str) -> torch.device:
     if device.type == "cuda":
         if not torch.cuda.is_available():
             reason = "this torch build has no CUDA" if torch.version.cuda is None else "no CUDA device is visible"
-            raise LlmcError(f"{name} asked for, but {reason}; use device: cpu (or auto)")
+            raise LlmcError(f"{name} asked for, but {reason}; use cpu (or auto)")
         index = device.index or 0
         if index >= torch.cuda.device_count():
             raise LlmcError(f"{name} asked for, but only {torch.cuda.device_count()} CUDA device(s) are visible")

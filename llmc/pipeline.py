@@ -114,7 +114,7 @@ def run_quantize(recipe: Recipe, overwrite: bool = False, eval_inputs: EvalInput
         if recipe.draft is not None:  # heads learn from the quantized model, the one that will be served
             from llmc.draft.build import train_draft
 
-            train_draft(staging, recipe.draft)
+            train_draft(staging, recipe.draft, device)
     return output
 
 

@@ -4,11 +4,15 @@ import json
 
 import pytest
 import torch
+from click.testing import CliRunner
 from conftest import write_recipe
 from safetensors.torch import load_file
 
 from llmc.artifact.writer import MANIFEST
+from llmc.cli import cli
 from llmc.device import resolve_device
+from llmc.draft.build import train_draft
+from llmc.draft.config import DraftConfig
 from llmc.errors import LlmcError
 from llmc.pipeline import run_quantize
 from llmc.recipe import load_recipe
@@ -43,8 +47,29 @@ def test_cuda_without_cuda_is_one_error_naming_the_line_before_any_work(tmp_path
     with pytest.raises(LlmcError) as error:
         quantize(tmp_path, tiny_llama, calib_file, STAGES["gptq"], "cuda")
     assert str(error.value).startswith("cuda.yaml line 7: device: cuda asked for, but")
-    assert "use device: cpu (or auto)" in str(error.value)
+    assert "use cpu (or auto)" in str(error.value)
     assert not (tmp_path / "cuda").exists() and not list(tmp_path.glob(".cuda.partial-*"))
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal where there is no CUDA")
+@pytest.mark.parametrize("command", [["train-draft", "missing-artifact"], ["eval", "missing-model", "--perplexity", "none"]])
+def test_device_option_is_resolved_before_any_work(command):
+    run = CliRunner().invoke(cli, [*command, "--device", "cuda:1"])
+    assert run.exit_code == 1 and str(run.exception).startswith("--device: cuda:1 asked for, but"), run.output
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_draft_heads_distil_and_train_on_cuda(tmp_path, tiny_llama, calib_file, monkeypatch):
+    monkeypatch.setenv("LLMC_HOME", str(tmp_path / "home"))
+    artifact = quantize(tmp_path, tiny_llama, calib_file, STAGES["gptq"], "cuda")
+    config = DraftConfig(prompts=[str(calib_file)], num_prompts=6, max_tokens=24, num_heads=2, steps=40, batch_size=32)
+    folder = train_draft(artifact, config, "cuda")
+    summary = json.loads((folder / "config.json").read_text())
+    assert summary["train"]["device"] == "cuda"
+    heads = load_file(folder / "heads.safetensors")
+    assert all(tensor.device.type == "cpu" and tensor.isfinite().all() for tensor in heads.values())
+    losses = summary["train"]["final_loss"]
+    assert losses < 10
 
 
 def test_the_manifest_records_the_device_and_peak_memory(tmp_path, tiny_llama, calib_file):

@@ -98,7 +98,7 @@ def test_recipe_draft_trains_heads_into_the_artifact(tmp_path, tiny_llama, calib
                                    "--max-tokens", "12", "--concurrency", "2", "--histogram", str(histogram), "--json",
                                    "--speculative-tree-nodes", "4", "--speculative-min-confidence", "0.05"])
     assert run.exit_code == 0, run.output
-    result = json.loads(run.output)
+    result = json.loads(run.stdout)
     assert result["num_prompts"] == 2 and result["mean_accepted_length"] >= result["tokens_per_step"] >= 1 and histogram.is_file()
     assert {"batch1", "concurrency2", "acceptance_per_position"} <= set(result)
     assert result["identical_outputs"] == 2 and {"speedup", "served_speedup"} <= set(result["concurrency2"])

@@ -25,19 +25,23 @@ EVAL_BATCHES = 8  # held-out batches the EAGLE draft's top-1 is measured on
 HELD_OUT_EVERY = 25  # every 25th answer stays out of training: the draft's top-1 on it is what serving can expect
 
 
-def train_draft(artifact: Path, config: DraftConfig) -> Path:
+def train_draft(artifact: Path, config: DraftConfig, device: torch.device | str = "cpu") -> Path:
+    """The target answers the prompts through the runtime on device, and the heads train there; the answers' features
+    stay in host memory, each training batch moved to the device."""
+    device = torch.device(device)
     if not (artifact / MANIFEST).is_file():
         raise LlmcError(f"{artifact} is not an llmc artifact (no {MANIFEST})")
     check_prompt_files(config.prompts)
     started = time.perf_counter()
-    data = DistillSet.joined([cached_self_distill(artifact, Path(file), config.num_prompts, config.max_tokens) for file in config.prompts])
+    data = DistillSet.joined([cached_self_distill(artifact, Path(file), config.num_prompts, config.max_tokens, device)
+                              for file in config.prompts])
     distill_s = time.perf_counter() - started
     folder = artifact / DRAFT_DIR
     if config.method == "eagle":
-        summary = train_eagle(data, config, folder, artifact)
+        summary = train_eagle(data, config, folder, artifact, device)
     else:
-        summary = train_medusa(data, config, folder)
-    summary["train"] |= {"distill_s": round(distill_s, 1), "total_s": round(time.perf_counter() - started, 1)}
+        summary = train_medusa(data, config, folder, device)
+    summary["train"] |= {"device": str(device), "distill_s": round(distill_s, 1), "total_s": round(time.perf_counter() - started, 1)}
     save_draft(folder, summary)
     manifest = json.loads((artifact / MANIFEST).read_text())
     write_manifest(artifact, manifest | {"draft": summary})
@@ -72,15 +76,16 @@ def medusa_rows(
 def medusa_top1(heads: MedusaHeads, hidden: torch.Tensor, labels: torch.Tensor, chunk: int = 4096) -> list[float]:
     """Per head, the share of positions whose token it ranks first (a token outside the draft vocabulary counts as missed)."""
     hits, counted = torch.zeros(heads.num_heads), torch.zeros(heads.num_heads)
+    device = next(heads.parameters()).device
     with torch.no_grad():
         for first in range(0, len(hidden), chunk):
-            guesses, truth = heads(hidden[first : first + chunk]).argmax(-1).T, labels[first : first + chunk]
+            guesses, truth = heads(hidden[first : first + chunk].to(device)).argmax(-1).T.cpu(), labels[first : first + chunk]
             hits += ((guesses == truth) & (truth != -100)).sum(0)
             counted += (truth != -100).sum(0)
     return [round(value, 4) for value in (hits / counted.clamp(min=1)).tolist()]
 
 
-def train_medusa(data: DistillSet, config: DraftConfig, folder: Path) -> dict:
+def train_medusa(data: DistillSet, config: DraftConfig, folder: Path, device: torch.device | str = "cpu") -> dict:
     """Train Medusa heads on self-distilled data into folder; returns the summary that goes in its config.json."""
     training, held_out = held_out_split(list(zip(data.token_ids, data.hidden, data.answer_starts)))
     vocab, to_vocab = draft_vocabulary([torch.tensor(ids[start:]) for ids, _, start in training], len(data.lm_head))
@@ -90,10 +95,10 @@ def train_medusa(data: DistillSet, config: DraftConfig, folder: Path) -> dict:
 
     def loss_fn(step: int) -> torch.Tensor:
         rows = torch.randint(len(hidden), (config.batch_size,), generator=generator)
-        return medusa_loss(heads, hidden[rows], labels[rows])
+        return medusa_loss(heads, hidden[rows].to(device), labels[rows].to(device))
 
     train_config = TrainConfig(steps=config.steps, lr=config.lr, seed=config.seed)
-    losses = train(heads, loss_fn, train_config, folder, f"medusa heads ({config.num_heads})")
+    losses = train(heads, loss_fn, train_config, folder, f"medusa heads ({config.num_heads})", device)
     summary = {
         "method": "medusa", "num_heads": config.num_heads, "hidden_size": hidden.shape[1], "draft_vocab_size": len(vocab),
         "trained_on": {"prompts": config.prompts, "num_answers": len(data.token_ids), "num_held_out": len(held_out),
@@ -122,7 +127,8 @@ def most_frequent_tokens(answers: list[torch.Tensor], vocab_size: int, size: int
     return counts.argsort(descending=True, stable=True)[: min(size, used)].sort().values
 
 
-def train_eagle(data: DistillSet, config: DraftConfig, folder: Path, artifact: Path) -> dict:
+def train_eagle(data: DistillSet, config: DraftConfig, folder: Path, artifact: Path,
+                device: torch.device | str = "cpu") -> dict:
     """Windows of (feature at t, token t + 1) pairs; the draft learns the feature at t + 1 and the token t + 2 it
     leads to. Only answer tokens are learned, with the cross-entropy over the draft's vocabulary (the answers' most
     frequent tokens: a rarer one is learned through its feature alone)."""
@@ -133,7 +139,7 @@ def train_eagle(data: DistillSet, config: DraftConfig, folder: Path, artifact: P
             if len(ids) >= window_len + unroll + 1 and start + 1 < len(ids)]
     training, held_out = held_out_split(seqs)
     vocab, to_vocab = draft_vocabulary([ids[start:] for ids, _, start in training], len(data.lm_head))
-    lm_head = data.lm_head[vocab]
+    lm_head = data.lm_head[vocab].to(device)
     noise_scale = torch.cat([hidden for _, hidden, _ in training]).pow(2).mean().sqrt().item()
     shape = eagle_shape(artifact, len(vocab))
     draft = EagleDraft(shape)
@@ -152,7 +158,7 @@ def train_eagle(data: DistillSet, config: DraftConfig, folder: Path, artifact: P
 
     def batch(pool: list) -> list[torch.Tensor]:
         picks = torch.randint(len(pool), (num_windows,), generator=generator).tolist()
-        return [torch.stack(parts) for parts in zip(*(window(*pool[index]) for index in picks))]
+        return [torch.stack(parts).to(device) for parts in zip(*(window(*pool[index]) for index in picks))]
 
     def loss_fn(step: int) -> torch.Tensor:
         return eagle_loss(draft, *batch(training), lm_head, noise_scale, unroll)
@@ -166,12 +172,12 @@ def train_eagle(data: DistillSet, config: DraftConfig, folder: Path, artifact: P
                 for step, predicted in enumerate(unrolled(draft, features[:, :window_len], embedded, positions, unroll)):
                     step_labels = labels[:, step : step + window_len]
                     valid = step_labels != -100
-                    hits[step] += ((predicted @ lm_head.T).argmax(-1) == step_labels)[valid].sum()
-                    counted[step] += valid.sum()
+                    hits[step] += ((predicted @ lm_head.T).argmax(-1) == step_labels)[valid].sum().cpu()
+                    counted[step] += valid.sum().cpu()
         return [round(value, 4) for value in (hits / counted.clamp(min=1)).tolist()]
 
     train_config = TrainConfig(steps=config.steps, lr=config.lr, seed=config.seed)
-    losses = train(draft, loss_fn, train_config, folder, "eagle draft")
+    losses = train(draft, loss_fn, train_config, folder, "eagle draft", device)
     summary = {
         "method": "eagle", "hidden_size": shape.hidden_size, "shape": asdict(shape),
         "trained_on": {"prompts": config.prompts, "num_answers": len(data.token_ids), "num_held_out": len(held_out),

@@ -57,12 +57,14 @@ class DistillSet:
         return sum(len(ids) - start for ids, start in zip(self.token_ids, self.answer_starts))
 
 
-def self_distill(artifact: Path, prompts_file: Path, num_prompts: int, max_tokens: int, parts: Path, max_len: int = 1024) -> DistillSet:
+def self_distill(artifact: Path, prompts_file: Path, num_prompts: int, max_tokens: int, parts: Path,
+                 device: torch.device | str = "cpu", max_len: int = 1024) -> DistillSet:
     """The target's answers to the file's prompts, saved DISTILL_PART answers at a time into the folder `parts` as
     they finish: answers an interrupted run saved there are read back instead of generated again."""
     check_not_eval_set(prompts_file)
-    dtype = torch.bfloat16 if native_bfloat16("cpu") else torch.float32  # emulated bfloat16 is slower than float32
-    engine = LLMEngine(artifact, EngineConfig(
+    device = torch.device(device)
+    dtype = torch.bfloat16 if native_bfloat16(str(device)) else torch.float32  # emulated bfloat16 is slower than float32
+    engine = LLMEngine(artifact, EngineConfig(device=str(device),
         enable_prefix_caching=False, max_model_len=max_len, dtype=dtype, dense_weights=True, keep_hidden_states=True,
         max_num_seqs=DISTILL_SEQS, max_num_batched_tokens=2 * 512, kv_cache_gib=DISTILL_KV_GIB,
     ))
@@ -72,7 +74,8 @@ def self_distill(artifact: Path, prompts_file: Path, num_prompts: int, max_token
         raise LlmcError(f"no prompt of {prompts_file} fits {engine.max_model_len} tokens with a {max_tokens}-token answer")
     answers = answer_prompts(engine, prompts, max_tokens, parts)
     hidden_size = engine.runner.hf_config.hidden_size
-    lm_head = engine.runner.model.compute_logits(torch.eye(hidden_size, dtype=engine.config.dtype)).T.float()
+    identity = torch.eye(hidden_size, dtype=engine.config.dtype, device=device)
+    lm_head = engine.runner.model.compute_logits(identity).T.to("cpu", torch.float32)
     return DistillSet(*columns([answers[index] for index in range(len(prompts))]), lm_head)
 
 
@@ -100,8 +103,10 @@ def answer_prompts(engine: LLMEngine, prompts: list[str], max_tokens: int, parts
     return answers
 
 
-def cached_self_distill(artifact: Path, prompts_file: Path, num_prompts: int | None, max_tokens: int) -> DistillSet:
-    """num_prompts: the first this many prompts of the file; None: all of them."""
+def cached_self_distill(artifact: Path, prompts_file: Path, num_prompts: int | None, max_tokens: int,
+                        device: torch.device | str = "cpu") -> DistillSet:
+    """num_prompts: the first this many prompts of the file; None: all of them. The set is the model's, wherever it
+    was computed: a set distilled on one device serves training on another."""
     check_not_eval_set(prompts_file)
     num_prompts = num_prompts or len(read_prompt_texts(prompts_file))
     manifest = json.loads((artifact / MANIFEST).read_text())
@@ -114,7 +119,7 @@ def cached_self_distill(artifact: Path, prompts_file: Path, num_prompts: int | N
     if path.is_file():
         return load_distill_set(path)
     parts = path.with_suffix(".parts")
-    data = self_distill(artifact, prompts_file, num_prompts, max_tokens, parts)
+    data = self_distill(artifact, prompts_file, num_prompts, max_tokens, parts, device)
     save_distill_set(data, path)
     shutil.rmtree(parts)
     return data

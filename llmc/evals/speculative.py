@@ -29,9 +29,9 @@ def timed_generate(engine: LLMEngine, prompts: list[str], params: SamplingParams
 
 
 def speculative_eval(model: str, draft: Path, prompts: list[str], max_tokens: int, concurrency: int, dtype: torch.dtype,
-                     shape: dict | None = None) -> dict:
+                     shape: dict | None = None, device: torch.device | str = "cpu") -> dict:
     """shape: EngineConfig's num_speculative_tokens, speculative_tree_nodes and speculative_min_confidence."""
-    settings = dict(dtype=dtype, max_num_seqs=max(concurrency, 1), enable_prefix_caching=False)
+    settings = dict(dtype=dtype, max_num_seqs=max(concurrency, 1), enable_prefix_caching=False, device=str(device))
     plain = LLMEngine(model, EngineConfig(**settings))
     speculative = LLMEngine(model, EngineConfig(**settings, speculative=draft, adaptive_speculation=False, **(shape or {})))
     served = LLMEngine(model, EngineConfig(**settings, speculative=draft, **(shape or {})))
@@ -82,7 +82,7 @@ def plot_accepted_lengths(histogram: dict[int, int], path: Path, title: str) -> 
 
 
 def evaluate_speculative(target: str, speculative: str, prompts_file: Path | None, num_prompts: int, max_tokens: int,
-                         concurrency: int, histogram: Path | None, shape: dict) -> dict:
+                         concurrency: int, histogram: Path | None, shape: dict, device: torch.device | str = "cpu") -> dict:
     """`llmc eval TARGET --speculative auto|DRAFT_DIR`: speculative_eval on the file's first distinct prompts (chat
     template, bfloat16), the accepted-length histogram drawn to `histogram` when given."""
     if prompts_file is None:
@@ -92,7 +92,7 @@ def evaluate_speculative(target: str, speculative: str, prompts_file: Path | Non
         raise LlmcError(f"{target} has no draft heads; train them with `llmc train-draft {target}` or pass their folder")
     tokenizer = AutoTokenizer.from_pretrained(resolve_model(target))
     prompts = distinct_prompts(prompts_file, num_prompts, tokenizer)
-    result = speculative_eval(target, draft, prompts, max_tokens, concurrency, torch.bfloat16, shape)
+    result = speculative_eval(target, draft, prompts, max_tokens, concurrency, torch.bfloat16, shape, device)
     if histogram:
         plot_accepted_lengths(result["accepted_length_histogram"], histogram, f"{target}: accepted length")
     return result | {"prompts": str(prompts_file), "concurrency": concurrency}

@@ -165,7 +165,7 @@ class ModelRunner:
         for seq, states in zip(seqs, hidden.split([seq.num_scheduled_tokens for seq in seqs])):
             if seq.num_computed_tokens == 0:  # a preempted sequence starts again from its first token
                 seq.hidden_states.clear()
-            seq.hidden_states.append(states.float())
+            seq.hidden_states.append(states.to("cpu", torch.float32))  # host memory: a long distillation outgrows a GPU's
 
     def _record_prompt_logprobs(self, seqs: list[Sequence], hidden: torch.Tensor) -> None:
         """For sequences that ask for them, the logprobs of the prompt tokens this step's chunk predicts (each row
