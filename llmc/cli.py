@@ -74,7 +74,8 @@ def cli() -> None:
 @click.option("--output", "-o", help="Artifact folder (overrides the recipe's `output`).")
 @click.option("--set", "overrides", multiple=True, metavar="KEY.PATH=VALUE", help="Override a recipe field.")
 @click.option("--overwrite", is_flag=True, help="Replace an existing artifact folder.")
-def quantize(recipe: Path, output: str | None, overrides: tuple[str, ...], overwrite: bool) -> None:
+@click.option("--resume", is_flag=True, help="Continue a killed run of this recipe after its last layer whose shard is intact.")
+def quantize(recipe: Path, output: str | None, overrides: tuple[str, ...], overwrite: bool, resume: bool) -> None:
     """Run RECIPE (YAML) and write a compressed-tensors artifact."""
     from llmc.inputs import resolve_eval_and_draft_inputs
     from llmc.recipe import load_recipe
@@ -86,7 +87,7 @@ def quantize(recipe: Path, output: str | None, overrides: tuple[str, ...], overw
         console.print(f"data-free: no stage of {recipe.name} needs calibration data{unused}")
     from llmc.pipeline import run_quantize
 
-    artifact = run_quantize(loaded, overwrite, eval_inputs)
+    artifact = run_quantize(loaded, overwrite, eval_inputs, resume)
     console.print(f"[green]wrote[/] {artifact}")
 
 

@@ -13,6 +13,8 @@ from transformers import AutoConfig, AutoTokenizer
 
 import llmc
 from llmc.artifact.export import exporter_for
+from llmc.artifact.reader import layout_of
+from llmc.artifact.resume import Journal, journaled, resumable_staging, resumed_journal, resumption, run_fingerprint
 from llmc.artifact.writer import ShardWriter, staged_folder, write_manifest
 from llmc.calib.data import load_calibration
 from llmc.calib.driver import build_skeleton, decoder_layers, decoder_linears, quantize_layerwise
@@ -40,8 +42,9 @@ def export_dtype(recipe: Recipe, config) -> torch.dtype:
     return getattr(torch, source) if isinstance(source, str) else source
 
 
-def run_quantize(recipe: Recipe, overwrite: bool = False, eval_inputs: EvalInputs | None = None) -> Path:
-    """eval_inputs: resolve_eval_and_draft_inputs(recipe, overwrite), when the caller resolved them already."""
+def run_quantize(recipe: Recipe, overwrite: bool = False, eval_inputs: EvalInputs | None = None, resume: bool = False) -> Path:
+    """eval_inputs: resolve_eval_and_draft_inputs(recipe, overwrite), when the caller resolved them already.
+    resume: continue a killed run of the same recipe after its last finished layer."""
     timings: dict[str, float] = {}
     started = time.perf_counter()
     output = Path(recipe.output)
@@ -65,23 +68,28 @@ def run_quantize(recipe: Recipe, overwrite: bool = False, eval_inputs: EvalInput
     estimate = estimate_memory(config, [stage.type for stage in recipe.stages], num_samples, seq_len, device)
     print(estimate.describe(), file=sys.stderr)
     require_fits(estimate, device)
+    fingerprint = run_fingerprint(recipe.model_dump(mode="json"), calibration and calibration.sha256, llmc.__version__)
+    adopt = resumable_staging(output, fingerprint) if resume else None
+    all_linears = [name for name, module in skeleton.named_modules() if isinstance(module, torch.nn.Linear)]
+    quantization = exporter.config(plan, all_linears)
     timings["prepare_s"] = time.perf_counter() - started
 
-    with staged_folder(output, overwrite) as staging:
+    with staged_folder(output, overwrite, adopt) as staging:
+        journal = resumed_journal(staging, fingerprint) if adopt else Journal(staging, fingerprint)
         reader = CheckpointReader(folder)
         num_layers = len(decoder_layers(skeleton, family))
         writer = ShardWriter(staging, num_layers + 1, dtype, exporter.tensors)
+        writer.restore([(layer.shard, layer.tensor_bytes) for layer in journal.finished])
         started = time.perf_counter()
-        reports = quantize_layerwise(reader, skeleton, config, family, modifiers, plan, calibration, writer.write_layer, kv_cache,
-                                     device)
+        reports = quantize_layerwise(reader, skeleton, config, family, modifiers, plan, calibration, journaled(writer, journal),
+                                     kv_cache, device, dtype, resumption(journal, layout_of(quantization)))
+        journal.close()
         quantize_memory = peak_memory(device)
         rest = reader.tensors([name for name in reader.file_of if not name.startswith(f"{family.layers}.")])
         rest = {name: tensor.to(dtype) for name, tensor in rest.items()}
         writer.write(rest)
         writer.write_index()
         timings["quantize_s"] = time.perf_counter() - started
-        all_linears = [name for name, module in skeleton.named_modules() if isinstance(module, torch.nn.Linear)]
-        quantization = exporter.config(plan, all_linears)
         _write_config(folder, staging, quantization, dtype)
         for name in exporter.extra_files:
             (staging / name).write_text(json.dumps(quantization, indent=2, sort_keys=True) + "\n")

@@ -78,17 +78,22 @@ def layout_of(quantization: dict) -> Layout:
 
 def dense_state_dict(folder: Path, dtype: torch.dtype) -> dict[str, torch.Tensor]:
     config = json.loads((folder / "config.json").read_text())
-    layout = layout_of(config["quantization_config"])
-    reader = CheckpointReader(folder)
-    quantized = {name.removesuffix(layout.marker) for name in reader.file_of if name.endswith(layout.marker)}
+    return dense_tensors(CheckpointReader(folder), layout_of(config["quantization_config"]), dtype)
+
+
+def dense_tensors(reader: CheckpointReader, layout: Layout, dtype: torch.dtype, prefix: str = "") -> dict[str, torch.Tensor]:
+    """The model's parameters as a dense state dict, quantized Linears dequantized; with a prefix, those of one
+    module, keyed by their names inside it."""
+    names = [name for name in reader.file_of if name.startswith(prefix)]
+    quantized = {name.removesuffix(layout.marker) for name in names if name.endswith(layout.marker)}
     state = {}
-    for name in reader.file_of:
+    for name in names:
         module, leaf = name.rsplit(".", 1)
         if name.endswith(layout.marker):
             state[f"{module}.weight"] = layout.read(reader, module).dequantize().to(dtype)
         elif (module not in quantized or leaf == "bias") and leaf not in KV_SCALES:
             state[name] = reader.tensor(name).to(dtype)
-    return state
+    return {name.removeprefix(prefix): tensor for name, tensor in state.items()}
 
 
 def runtime_quantization(folder: Path) -> RuntimeQuantization:

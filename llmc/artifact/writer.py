@@ -43,12 +43,16 @@ def remove_stale_staging(output: Path) -> None:
 
 
 @contextmanager
-def staged_folder(output: Path, overwrite: bool = False):
+def staged_folder(output: Path, overwrite: bool = False, adopt: Path | None = None):
+    """adopt: a killed run's staging folder to continue in (`--resume`), renamed to this process's."""
     check_output(output, overwrite)
-    remove_stale_staging(output)
     staging = output.with_name(f".{output.name}.partial-{os.getpid()}")
-    shutil.rmtree(staging, ignore_errors=True)
-    staging.mkdir(parents=True)
+    if adopt is not None:
+        adopt.rename(staging)
+    remove_stale_staging(output)
+    if adopt is None:
+        shutil.rmtree(staging, ignore_errors=True)
+        staging.mkdir(parents=True)
     try:
         yield staging
     except BaseException:
@@ -69,6 +73,13 @@ class ShardWriter:
         self.tensors_of = tensors_of
         self.weight_map: dict[str, str] = {}
         self.total_size = 0
+        self.last_written: tuple[str, dict[str, int]] | None = None  # the last shard and its tensors' sizes
+
+    def restore(self, shards: list[tuple[str, dict[str, int]]]) -> None:
+        """Continue after shards written earlier (a resumed run): each its file name and its tensors' sizes."""
+        for filename, tensor_bytes in shards:
+            self.weight_map |= dict.fromkeys(tensor_bytes, filename)
+            self.total_size += sum(tensor_bytes.values())
 
     def write_layer(self, prefix: str, layer: nn.Module, quantized: dict[str, QuantizedWeight]) -> None:
         tensors = {}
@@ -85,25 +96,26 @@ class ShardWriter:
         filename = f"model-{len(set(self.weight_map.values())) + 1:05d}-of-{self.num_shards:05d}.safetensors"
         tensors = {name: tensor.contiguous() for name, tensor in tensors.items()}
         save_file(tensors, str(self.folder / filename), metadata={"format": "pt"})
-        for name, tensor in tensors.items():
-            self.weight_map[name] = filename
-            self.total_size += tensor.numel() * tensor.element_size()
+        tensor_bytes = {name: tensor.numel() * tensor.element_size() for name, tensor in tensors.items()}
+        self.restore([(filename, tensor_bytes)])
+        self.last_written = filename, tensor_bytes
 
     def write_index(self) -> None:
         index = {"metadata": {"total_size": self.total_size}, "weight_map": dict(sorted(self.weight_map.items()))}
         (self.folder / INDEX).write_text(json.dumps(index, indent=2) + "\n")
 
 
+def sha256_of_file(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as file:
+        for chunk in iter(lambda: file.read(1 << 20), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
 def sha256_of_files(folder: Path) -> dict[str, str]:
-    digests = {}
-    for path in sorted(folder.rglob("*")):
-        if path.is_file() and path.name != MANIFEST:
-            digest = hashlib.sha256()
-            with open(path, "rb") as file:
-                for chunk in iter(lambda: file.read(1 << 20), b""):
-                    digest.update(chunk)
-            digests[str(path.relative_to(folder))] = digest.hexdigest()
-    return digests
+    return {str(path.relative_to(folder)): sha256_of_file(path)
+            for path in sorted(folder.rglob("*")) if path.is_file() and path.name != MANIFEST}
 
 
 def write_manifest(folder: Path, manifest: dict) -> None:

@@ -25,7 +25,7 @@ from llmc.quant.layer import COMPUTE_DTYPE, CPU, LayerRunner, LayerWork, Modifie
 from llmc.quant.plan import QuantizationPlan
 from llmc.quant.qtypes import QuantArgs, QuantizedWeight
 
-EmitLayer = Callable[[str, nn.Module, dict[str, QuantizedWeight]], None]
+EmitLayer = Callable[[str, nn.Module, dict[str, QuantizedWeight], "LayerReport"], None]
 
 
 def return_freed_memory() -> None:
@@ -42,6 +42,15 @@ class LayerReport:
     seconds: float
     num_quantized: int
     output_error: float | None  # ||y_quantized - y||^2 / ||y||^2 on the calibration inputs
+
+
+@dataclass
+class Resumption:
+    """The layers a killed run finished (`--resume`): their reports, and each one's weights as written (a layer's
+    prefix -> its state dict), which the calibration activations pass through again."""
+
+    reports: list[LayerReport]
+    written_state: Callable[[str], dict[str, torch.Tensor]]
 
 
 def build_skeleton(config) -> nn.Module:
@@ -80,6 +89,27 @@ def embed(reader: CheckpointReader, family: Family, input_ids: torch.Tensor) -> 
     return nn.functional.embedding(input_ids, weight)
 
 
+def round_as_stored(layer: nn.Module, prefix: str, quantized: dict[str, QuantizedWeight], stored_dtype: torch.dtype) -> None:
+    """The layer's unquantized parameters (norms, biases, what a stage folded scales into) rounded to the dtype the
+    artifact stores them in: the next layer calibrates on the outputs of the layer as served, and a resumed run,
+    which recomputes them from the artifact's shards, gets the same ones."""
+    for name, param in layer.named_parameters():
+        if not (name.endswith(".weight") and f"{prefix}.{name.removesuffix('.weight')}" in quantized):
+            param.data = param.data.to(stored_dtype).to(param.dtype)
+
+
+def replay_finished(layers: nn.ModuleList, family: Family, resumed: Resumption, runner: LayerRunner, hidden: torch.Tensor,
+                    device: torch.device) -> torch.Tensor:
+    """The calibration activations after the finished layers, through their weights as written."""
+    for index in tqdm(range(len(resumed.reports)), desc="replaying finished layers", unit="layer"):
+        layer, prefix = layers[index], f"{family.layers}.{index}"
+        layer.to_empty(device=device)
+        layer.load_state_dict({name: tensor.to(device, COMPUTE_DTYPE) for name, tensor in resumed.written_state(prefix).items()})
+        hidden = runner(layer, hidden)
+        layer.to("meta")
+    return hidden
+
+
 def activations_home(hidden: torch.Tensor, device: torch.device) -> torch.Tensor:
     """The calibration activations on the device when they fit, else pinned in host memory (a CUDA run) or as they are."""
     if activations_fit_device(hidden.numel() * hidden.element_size(), device):
@@ -98,16 +128,20 @@ def quantize_layerwise(
     emit: EmitLayer,
     kv_cache: QuantArgs | None = None,
     device: torch.device = CPU,
+    stored_dtype: torch.dtype = COMPUTE_DTYPE,
+    resumed: Resumption | None = None,
 ) -> list[LayerReport]:
     """One layer at a time on the device: its weights, its statistics and a batch of activations at least; what
-    emit gets is back on the host."""
+    emit gets is back on the host. stored_dtype: what the artifact stores unquantized parameters in."""
     layers = decoder_layers(skeleton, family)
     hidden = runner = None
+    reports = list(resumed.reports) if resumed else []
     if calibration is not None:
         runner = LayerRunner(skeleton, config, calibration.input_ids.shape[1], compute_dtype=calibration.compute_dtype, device=device)
         hidden = activations_home(embed(reader, family, calibration.input_ids), device)
-    reports = []
-    for index in tqdm(range(len(layers)), desc="quantizing layers", unit="layer"):
+        if resumed:
+            hidden = replay_finished(layers, family, resumed, runner, hidden, device)
+    for index in tqdm(range(len(reports), len(layers)), desc="quantizing layers", unit="layer", initial=len(reports), total=len(layers)):
         started = time.perf_counter()
         prefix = f"{family.layers}.{index}"
         layer = layers[index]
@@ -129,13 +163,15 @@ def quantize_layerwise(
         quantized = {name: replace(weight, input_activations=activations.get(name)) for name, weight in quantized.items()}
         error = None
         if runner:
+            round_as_stored(layer, prefix, quantized, stored_dtype)
             static_inputs = {name: args for name, args in activations.items() if not args.dynamic}
             with observing_scales(layer, prefix, static_inputs, kv_cache):
                 hidden = runner(layer, hidden)
             if reference is not None:  # None when no stage changes weights (only the KV cache is calibrated)
                 error = float(((hidden - reference) ** 2).sum() / (reference**2).sum().clamp_min(1e-30))
-        emit(prefix, layer.to(CPU), {name: weight.to(CPU) for name, weight in quantized.items()})
+        report = LayerReport(index, time.perf_counter() - started, len(quantized), error)
+        emit(prefix, layer.to(CPU), {name: weight.to(CPU) for name, weight in quantized.items()}, report)
         layer.to("meta")
         return_freed_memory()
-        reports.append(LayerReport(index, time.perf_counter() - started, len(quantized), error))
+        reports.append(report)
     return reports
