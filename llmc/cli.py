@@ -2,6 +2,7 @@
 config classes the options fill."""
 import dataclasses
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -75,7 +76,9 @@ def cli() -> None:
 @click.option("--set", "overrides", multiple=True, metavar="KEY.PATH=VALUE", help="Override a recipe field.")
 @click.option("--overwrite", is_flag=True, help="Replace an existing artifact folder.")
 @click.option("--resume", is_flag=True, help="Continue a killed run of this recipe after its last layer whose shard is intact.")
-def quantize(recipe: Path, output: str | None, overrides: tuple[str, ...], overwrite: bool, resume: bool) -> None:
+@click.option("--nproc", type=click.IntRange(min=1), default=1, show_default=True,
+              help="Calibrate in N processes (torchrun), each on a share of the samples: one per GPU, or N CPU processes.")
+def quantize(recipe: Path, output: str | None, overrides: tuple[str, ...], overwrite: bool, resume: bool, nproc: int) -> None:
     """Run RECIPE (YAML) and write a compressed-tensors artifact."""
     from llmc.inputs import resolve_eval_and_draft_inputs
     from llmc.recipe import load_recipe
@@ -85,10 +88,18 @@ def quantize(recipe: Path, output: str | None, overrides: tuple[str, ...], overw
     if not loaded.needs_calibration:
         unused = "; its calibration section only measures each layer's output error" if loaded.calibration else ""
         console.print(f"data-free: no stage of {recipe.name} needs calibration data{unused}")
+    if nproc > 1:
+        from llmc.launch import launch_ranks
+
+        arguments = [str(recipe), *(["--output", output] if output else []), *(f"--set={item}" for item in overrides),
+                     *(["--overwrite"] if overwrite else []), *(["--resume"] if resume else [])]
+        launch_ranks(loaded, nproc, arguments)
+        return
     from llmc.pipeline import run_quantize
 
     artifact = run_quantize(loaded, overwrite, eval_inputs, resume)
-    console.print(f"[green]wrote[/] {artifact}")
+    if int(os.environ.get("RANK", "0")) == 0:
+        console.print(f"[green]wrote[/] {artifact}")
 
 
 @cli.command(name="eval")

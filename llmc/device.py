@@ -28,6 +28,17 @@ def resolve_device(name: str) -> torch.device:
     return device
 
 
+def rank_device(device: torch.device) -> torch.device:
+    """Under torchrun, each rank computes on its own CUDA device, cuda:LOCAL_RANK; the CPU stays the CPU."""
+    if device.type != "cuda" or int(os.environ.get("WORLD_SIZE", "1")) == 1:
+        return device
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    if local_rank >= torch.cuda.device_count():
+        raise LlmcError(f"rank {local_rank} has no CUDA device of its own: {torch.cuda.device_count()} are visible")
+    torch.cuda.set_device(local_rank)
+    return torch.device("cuda", local_rank)
+
+
 def describe_device(device: torch.device) -> str:
     if device.type == "cuda":
         properties = torch.cuda.get_device_properties(device)

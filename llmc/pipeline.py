@@ -1,5 +1,6 @@
 """`llmc quantize`: recipe -> model -> calibration -> layer-by-layer stages -> evals -> artifact."""
 import json
+import os
 import platform
 import sys
 import time
@@ -19,7 +20,8 @@ from llmc.artifact.writer import ShardWriter, staged_folder, write_manifest
 from llmc.calib.data import load_calibration
 from llmc.calib.driver import build_skeleton, decoder_layers, decoder_linears, quantize_layerwise
 from llmc.calib.memory import estimate_memory, require_fits
-from llmc.device import describe_device, peak_memory, resolve_device
+from llmc.device import describe_device, peak_memory, rank_device, resolve_device
+from llmc.errors import LlmcError
 from llmc.evals.gate import GateFailed, require_gate_passed
 from llmc.evals.inputs import EvalInputs
 from llmc.evals.report import summary, write_report
@@ -29,6 +31,7 @@ from llmc.models.checkpoint import CheckpointReader
 from llmc.models.families import family_for
 from llmc.models.spec import resolve_model
 from llmc.quant.plan import build_plan
+from llmc.quant.ranks import ranks_from_environment
 from llmc.recipe import Recipe
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -49,8 +52,12 @@ def run_quantize(recipe: Recipe, overwrite: bool = False, eval_inputs: EvalInput
     started = time.perf_counter()
     output = Path(recipe.output)
     eval_inputs = eval_inputs or resolve_eval_and_draft_inputs(recipe, overwrite)
-    device = resolve_device(recipe.device)
-    print(f"device: {describe_device(device)}", file=sys.stderr)
+    device = rank_device(resolve_device(recipe.device))
+    ranks = ranks_from_environment(device)
+    if resume and ranks.distributed:
+        raise LlmcError("--resume runs in one process: resume without --nproc or torchrun")
+    say = print if ranks.rank == 0 else (lambda *args, **kwargs: None)
+    say(f"device: {describe_device(device)}" + (f", {ranks.world_size} ranks" if ranks.distributed else ""), file=sys.stderr)
     folder = resolved(recipe, ("model",), lambda: resolve_model(recipe.model))
     config = AutoConfig.from_pretrained(folder)
     family = family_for(config)
@@ -65,14 +72,21 @@ def run_quantize(recipe: Recipe, overwrite: bool = False, eval_inputs: EvalInput
     if recipe.calibration:
         calibration = resolved(recipe, ("calibration", "dataset"), lambda: load_calibration(recipe.calibration, tokenizer))
     num_samples, seq_len = calibration.input_ids.shape if calibration is not None else (0, 0)
-    estimate = estimate_memory(config, [stage.type for stage in recipe.stages], num_samples, seq_len, device)
-    print(estimate.describe(), file=sys.stderr)
-    require_fits(estimate, device)
+    if ranks.distributed and num_samples < ranks.world_size:
+        raise LlmcError(f"{ranks.world_size} ranks share {num_samples} calibration samples: give each rank one at least")
+    rank_samples = ranks.samples(num_samples).stop - ranks.samples(num_samples).start
+    estimate = estimate_memory(config, [stage.type for stage in recipe.stages], rank_samples, seq_len, device)
+    say(estimate.describe() + (" per rank" if ranks.distributed else ""), file=sys.stderr)
+    require_fits(estimate, device, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
     fingerprint = run_fingerprint(recipe.model_dump(mode="json"), calibration and calibration.sha256, llmc.__version__)
     adopt = resumable_staging(output, fingerprint) if resume else None
     all_linears = [name for name, module in skeleton.named_modules() if isinstance(module, torch.nn.Linear)]
     quantization = exporter.config(plan, all_linears)
     timings["prepare_s"] = time.perf_counter() - started
+    if ranks.rank != 0:  # the same layers as rank 0, which alone writes them
+        quantize_layerwise(CheckpointReader(folder), skeleton, config, family, modifiers, plan, calibration,
+                           lambda *layer: None, kv_cache, device, dtype, None, ranks)
+        return output
 
     with staged_folder(output, overwrite, adopt) as staging:
         journal = resumed_journal(staging, fingerprint) if adopt else Journal(staging, fingerprint)
@@ -82,7 +96,7 @@ def run_quantize(recipe: Recipe, overwrite: bool = False, eval_inputs: EvalInput
         writer.restore([(layer.shard, layer.tensor_bytes) for layer in journal.finished])
         started = time.perf_counter()
         reports = quantize_layerwise(reader, skeleton, config, family, modifiers, plan, calibration, journaled(writer, journal),
-                                     kv_cache, device, dtype, resumption(journal, layout_of(quantization)))
+                                     kv_cache, device, dtype, resumption(journal, layout_of(quantization)), ranks)
         journal.close()
         quantize_memory = peak_memory(device)
         rest = reader.tensors([name for name in reader.file_of if not name.startswith(f"{family.layers}.")])
@@ -115,6 +129,7 @@ def run_quantize(recipe: Recipe, overwrite: bool = False, eval_inputs: EvalInput
             },
             "layers": [asdict(report) for report in reports],
             "device": str(device),
+            "ranks": ranks.world_size,
             "memory": quantize_memory | {"estimate": estimate.to_dict()},
             "timings": timings,
             "eval": evals,

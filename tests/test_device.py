@@ -20,7 +20,8 @@ from llmc.recipe import load_recipe
 STAGES = {
     "gptq": "  - type: gptq\n    scheme: W4A16\n    weights: {group_size: 32}\n",
     "awq-rtn": "  - type: awq\n  - type: rtn\n    scheme: W4A16\n    weights: {group_size: 32}\n",
-    "smoothquant-w8a8-static": "  - type: smoothquant\n  - type: rtn\n    scheme: W8A8\n    input_activations: {strategy: tensor, dynamic: false}\n",
+    "smoothquant-w8a8-static": "  - type: smoothquant\n  - type: rtn\n    scheme: W8A8\n"
+                               "    input_activations: {strategy: tensor, dynamic: false}\n",
     "fp8-kv": "  - type: rtn\n    scheme: FP8_DYNAMIC\nkv_cache: {dtype: fp8}\n",
 }
 

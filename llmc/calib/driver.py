@@ -24,6 +24,7 @@ from llmc.quant.kvcache import KV_ATTENTION
 from llmc.quant.layer import COMPUTE_DTYPE, CPU, LayerRunner, LayerWork, Modifier, recording
 from llmc.quant.plan import QuantizationPlan
 from llmc.quant.qtypes import QuantArgs, QuantizedWeight
+from llmc.quant.ranks import SINGLE, Ranks
 
 EmitLayer = Callable[[str, nn.Module, dict[str, QuantizedWeight], "LayerReport"], None]
 
@@ -130,18 +131,22 @@ def quantize_layerwise(
     device: torch.device = CPU,
     stored_dtype: torch.dtype = COMPUTE_DTYPE,
     resumed: Resumption | None = None,
+    ranks: Ranks = SINGLE,
 ) -> list[LayerReport]:
     """One layer at a time on the device: its weights, its statistics and a batch of activations at least; what
-    emit gets is back on the host. stored_dtype: what the artifact stores unquantized parameters in."""
+    emit gets is back on the host. stored_dtype: what the artifact stores unquantized parameters in. ranks: the
+    processes calibrating together, this one on its share of the samples; every rank emits the same layers."""
     layers = decoder_layers(skeleton, family)
     hidden = runner = None
     reports = list(resumed.reports) if resumed else []
     if calibration is not None:
         runner = LayerRunner(skeleton, config, calibration.input_ids.shape[1], compute_dtype=calibration.compute_dtype, device=device)
-        hidden = activations_home(embed(reader, family, calibration.input_ids), device)
+        input_ids = calibration.input_ids[ranks.samples(len(calibration.input_ids))]
+        hidden = activations_home(embed(reader, family, input_ids), device)
         if resumed:
             hidden = replay_finished(layers, family, resumed, runner, hidden, device)
-    for index in tqdm(range(len(reports), len(layers)), desc="quantizing layers", unit="layer", initial=len(reports), total=len(layers)):
+    for index in tqdm(range(len(reports), len(layers)), desc="quantizing layers", unit="layer", initial=len(reports), total=len(layers),
+                      disable=ranks.rank != 0):
         started = time.perf_counter()
         prefix = f"{family.layers}.{index}"
         layer = layers[index]
@@ -151,7 +156,7 @@ def quantize_layerwise(
         reference = None
         quantized: dict[str, QuantizedWeight] = {}
         for position, modifier in enumerate(modifiers):
-            work = LayerWork(layer, prefix, plan.stage_linears(position, linears), weights, runner)
+            work = LayerWork(layer, prefix, plan.stage_linears(position, linears), weights, runner, ranks)
             observed = modifier.observed_modules(work) if runner else {}
             if observed or (runner and position == 0):  # the first pass, before any change, is the reference
                 with recording(observed, modifier.record):
@@ -165,10 +170,11 @@ def quantize_layerwise(
         if runner:
             round_as_stored(layer, prefix, quantized, stored_dtype)
             static_inputs = {name: args for name, args in activations.items() if not args.dynamic}
-            with observing_scales(layer, prefix, static_inputs, kv_cache):
+            with observing_scales(layer, prefix, static_inputs, kv_cache, ranks):
                 hidden = runner(layer, hidden)
             if reference is not None:  # None when no stage changes weights (only the KV cache is calibrated)
-                error = float(((hidden - reference) ** 2).sum() / (reference**2).sum().clamp_min(1e-30))
+                error_sum, reference_sum = ranks.sum_floats(float(((hidden - reference) ** 2).sum()), float((reference**2).sum()))
+                error = error_sum / max(reference_sum, 1e-30)
         report = LayerReport(index, time.perf_counter() - started, len(quantized), error)
         emit(prefix, layer.to(CPU), {name: weight.to(CPU) for name, weight in quantized.items()}, report)
         layer.to("meta")

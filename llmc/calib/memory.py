@@ -109,16 +109,18 @@ def available_host_bytes() -> int:
     return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
-def require_fits(estimate: MemoryEstimate, device: torch.device) -> None:
-    """One error naming what to lower when the estimate exceeds what the host (or the device) has free."""
+def require_fits(estimate: MemoryEstimate, device: torch.device, processes_on_host: int = 1) -> None:
+    """One error naming what to lower when the estimate exceeds what the host (or the device) has free.
+    processes_on_host: ranks sharing this host's memory, each needing the estimate."""
     largest = max(estimate.parts_gib, key=estimate.parts_gib.get)
     advice = {"activations": "calibration.num_samples or calibration.seq_len",
               "batch intermediates": "calibration.seq_len",
               "statistics": "calibration.num_samples (AWQ keeps its inputs) or use a device with more memory",
               "layer weights": "nothing in the recipe: use a machine with more memory"}[largest]
     host_free = available_host_bytes() / GIB
-    if estimate.host_gib > host_free:
-        raise LlmcError(f"{estimate.describe()} needs more than the {host_free:.1f} GiB of host memory available; "
+    if estimate.host_gib * processes_on_host > host_free:
+        ranks = f" in each of {processes_on_host} processes" if processes_on_host > 1 else ""
+        raise LlmcError(f"{estimate.describe()}{ranks} needs more than the {host_free:.1f} GiB of host memory available; "
                         f"the largest part is {largest}: lower {advice}")
     if estimate.device_gib is not None:
         device_free = torch.cuda.mem_get_info(device)[0] / GIB

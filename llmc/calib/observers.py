@@ -9,11 +9,13 @@ from torch import nn
 from llmc.quant.kvcache import KVObserver
 from llmc.quant.layer import recording
 from llmc.quant.qtypes import QuantArgs, compute_qparams
+from llmc.quant.ranks import SINGLE, Ranks
 
 
 @contextmanager
-def observing_scales(layer: nn.Module, prefix: str, static_inputs: dict[str, QuantArgs], kv_args: QuantArgs | None):
-    """Records during the `with` body, then attaches the scales."""
+def observing_scales(layer: nn.Module, prefix: str, static_inputs: dict[str, QuantArgs], kv_args: QuantArgs | None,
+                     ranks: Ranks = SINGLE):
+    """Records during the `with` body, then attaches the scales (of the ranges over every rank's samples)."""
     absmax: dict[str, torch.Tensor] = {}
 
     def record(name: str, inputs: torch.Tensor) -> None:
@@ -32,9 +34,11 @@ def observing_scales(layer: nn.Module, prefix: str, static_inputs: dict[str, Qua
         if attention is not None:
             del attention.kv_hook
     for name, linear in linears.items():
+        absmax[name] = ranks.max(absmax[name])
         scale, _ = compute_qparams(-absmax[name], absmax[name], static_inputs[name], torch.float32)
         linear.register_buffer("input_scale", scale.reshape(1))
     if observer is not None:
+        observer.absmax = [ranks.max(absmax) for absmax in observer.absmax]
         k_scale, v_scale = observer.scales()
         attention.register_buffer("k_scale", k_scale)
         attention.register_buffer("v_scale", v_scale)

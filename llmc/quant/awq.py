@@ -12,6 +12,7 @@ from torch import nn
 from llmc.models.families import Family, ScalingPair
 from llmc.quant.layer import LayerWork
 from llmc.quant.qtypes import QuantArgs, QuantizedWeight, fake_quantize
+from llmc.quant.ranks import Ranks
 from llmc.schema import StrictModel
 
 CLIP_TOKENS = 512  # evenly spaced calibration tokens for the clip search, as AutoAWQ samples
@@ -102,9 +103,7 @@ class AWQTransform:
             block_inputs = torch.cat(self.inputs.pop(pair.block))
             scales = self.search_scales(work, pair, block_inputs)
             fold_scales(work.layer, pair, scales)
-            tokens = block_inputs.reshape(-1, block_inputs.shape[-1])
-            picked = torch.linspace(0, tokens.shape[0] - 1, min(CLIP_TOKENS, tokens.shape[0]), device=tokens.device).long()
-            clip_inputs.append((pair, tokens[picked] / scales))
+            clip_inputs.append((pair, clip_tokens(work.ranks, block_inputs.reshape(-1, block_inputs.shape[-1])) / scales))
         if self.config.clip_search:
             for pair, inputs in clip_inputs:
                 for name in pair.balance:
@@ -126,7 +125,8 @@ class AWQTransform:
             return work.runner(block, block_inputs, positional=pair.block_is_attention)
 
         reference = run()
-        input_magnitude = block_inputs.abs().reshape(-1, block_inputs.shape[-1]).mean(dim=0)
+        rows = block_inputs.reshape(-1, block_inputs.shape[-1])
+        input_magnitude = (work.ranks.sum(absolute_sum(rows)) / work.ranks.sum_floats(rows.shape[0])[0]).float()
         first = formats[pair.balance[0]]
         weight_mag = weight_magnitude(list(originals.values()), group_width(first, input_magnitude.numel()))
         best_error, best_scales = float("inf"), torch.ones_like(input_magnitude)
@@ -139,12 +139,27 @@ class AWQTransform:
             scales = scales / (scales.max() * scales.min()).sqrt()
             for name, linear in balance.items():
                 linear.weight.data = fake_quantize(originals[name] * scales, formats[name]) / scales
-            error = float((run() - reference).pow(2).mean())
+            error_sum, count = work.ranks.sum_floats(float((run() - reference).pow(2).sum()), reference.numel())
+            error = error_sum / count
             if error < best_error:
                 best_error, best_scales = error, scales
         for name, linear in balance.items():
             linear.weight.data = originals[name]
         return best_scales
+
+
+def absolute_sum(rows: torch.Tensor, chunk: int = 4096) -> torch.Tensor:
+    """sum |x| over the rows, accumulated in float64 a chunk at a time: the same float32 mean however the rows are
+    split among ranks, so ranks choose the same scales."""
+    return sum(part.abs().double().sum(dim=0) for part in rows.split(chunk))
+
+
+def clip_tokens(ranks: Ranks, tokens: torch.Tensor) -> torch.Tensor:
+    """CLIP_TOKENS evenly spaced among every rank's tokens (in rank order, the calibration set's), on every rank."""
+    offset, total = ranks.row_offset(tokens.shape[0])
+    picked = torch.linspace(0, total - 1, min(CLIP_TOKENS, total), device=tokens.device).long()
+    mine = picked[(picked >= offset) & (picked < offset + tokens.shape[0])] - offset
+    return ranks.gather_rows(tokens[mine])
 
 
 def fold_scales(layer: nn.Module, pair: ScalingPair, scales: torch.Tensor) -> None:

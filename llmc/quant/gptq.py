@@ -17,6 +17,7 @@ from llmc.quant.qtypes import (
     observe_range,
     quantize_columns,
 )
+from llmc.quant.ranks import Ranks
 from llmc.quant.weight_stage import WeightStage
 
 DAMPENING_RETRIES = 5
@@ -171,13 +172,24 @@ class GPTQQuantizer:
         return list(groups.values())
 
     def process(self, work: LayerWork) -> dict[str, QuantizedWeight]:
+        """Across ranks: the Hessians summed, each input group solved by its owner rank, every result broadcast."""
+        groups, ranks = self.input_groups(work), work.ranks
+        for names in groups:
+            owner = self.owner[names[0]]
+            self.sums[owner] = ranks.sum(self.sums[owner])
+            self.counts[owner] = int(ranks.sum_floats(self.counts[owner])[0])
+        solved = {}
+        for index, names in enumerate(groups):
+            if ranks.owner(index) == ranks.rank:
+                stacked = torch.cat([work.linears[name].weight.data for name in names])
+                solved[index] = gptq_quantize(
+                    stacked, self.hessian(names[0]), self.config.weights, self.config.block_size,
+                    self.config.dampening_frac, self.scale_dtype, "+".join(names),
+                )
         results = {}
-        for names in self.input_groups(work):
-            stacked = torch.cat([work.linears[name].weight.data for name in names])
-            quantized = gptq_quantize(
-                stacked, self.hessian(names[0]), self.config.weights, self.config.block_size,
-                self.config.dampening_frac, self.scale_dtype, "+".join(names),
-            )
+        for index, names in enumerate(groups):
+            device = work.linears[names[0]].weight.device
+            quantized = broadcast_quantized(ranks, solved.get(index), self.config.weights, ranks.owner(index), device)
             start = 0
             for name in names:
                 linear = work.linears[name]
@@ -187,3 +199,15 @@ class GPTQQuantizer:
                 start += linear.out_features
         self._reset()
         return results
+
+
+def broadcast_quantized(ranks: Ranks, weight: QuantizedWeight | None, args: QuantArgs, src: int, device: torch.device) -> QuantizedWeight:
+    """The weight rank src quantized, on every rank."""
+    if not ranks.distributed:
+        return weight
+    tensors = None
+    if weight is not None:
+        tensors = {"codes": weight.codes, "scale": weight.scale, "zero_point": weight.zero_point}
+        tensors |= {"g_idx": weight.g_idx} if weight.g_idx is not None else {}
+    received = ranks.broadcast_tensors(tensors, src, device)
+    return QuantizedWeight(received["codes"], received["scale"], received["zero_point"], args, received.get("g_idx"))

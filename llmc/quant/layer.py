@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from llmc.quant.qtypes import QuantArgs, QuantizedWeight
+from llmc.quant.ranks import SINGLE, Ranks
 
 COMPUTE_DTYPE = torch.float32
 CPU = torch.device("cpu")
@@ -70,6 +71,7 @@ class LayerWork:
     linears: dict[str, nn.Linear]  # the stage's own selection, by full name
     plan: dict[str, QuantArgs]  # every Linear of the layer some stage quantizes, with its format
     runner: LayerRunner | None
+    ranks: Ranks = SINGLE  # the processes calibrating together, each on its share of the samples
 
 
 class Modifier(Protocol):

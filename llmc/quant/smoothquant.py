@@ -58,7 +58,7 @@ class SmoothQuantTransform:
     def process(self, work: LayerWork) -> dict[str, QuantizedWeight]:
         for pair in scalable_pairs(self.family, work):
             weights = [work.layer.get_submodule(name).weight.data for name in pair.balance]
-            scales = smoothing_scales(self.input_max.pop(pair.balance[0]), weights, self.config.alpha)
+            scales = smoothing_scales(work.ranks.max(self.input_max.pop(pair.balance[0])), weights, self.config.alpha)
             fold_scales(work.layer, pair, scales)
         self.input_max = {}
         return {}
