@@ -1,28 +1,48 @@
 #!/usr/bin/env bash
-# The llmc runtime on one GPU, in under 8 minutes and with nothing from the internet: the kernel tests natively on
-# the GPU, then batch-1 decode tok/s with memory-bandwidth utilisation and throughput at concurrency 64, per weight
-# format (fp16, W4A16, W8A8, FP8), on random weights in Llama-3-8B's and SmolLM2-135M's shapes.
+# llmc on one GPU with nothing from the internet: the kernel tests natively on the GPU, CUDA graphs against eager
+# decode, batch-1 decode tok/s with memory-bandwidth utilisation and throughput at concurrency 64 per weight format
+# (fp16, W4A16, W8A8, FP8) on random weights in Llama-3-8B's and SmolLM2-135M's shapes, the stages on CUDA against
+# the CPU (tests/test_device.py), and GPTQ W4A16 at Llama-3-8B's layer shapes on 128 x 2048 calibration tokens
+# (benchmarks/scale.py: s/layer, 32-layer time against llm-compressor's, peak device memory).
 # Needs torch, triton and transformers; each section runs under its own time limit and a failing one stops nothing.
+# SECTIONS picks some (default all: kernels graphs decode device scale), e.g. SECTIONS="device scale".
 #   benchmarks/gpu_check.sh [gpu_bench.py options, e.g. --formats W4A16 FP8]
 set -u -o pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" TOKENIZERS_PARALLELISM=false TRITON_DEFAULT_FP_FUSION=1
 PYTHON=${PYTHON:-python}
 status=0
+SECTIONS=${SECTIONS:-kernels graphs decode device scale}
+want() { [[ " $SECTIONS " == *" $1 "* ]]; }
 
 echo "== environment"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader || true
 $PYTHON -c "import torch, triton; print('torch', torch.__version__, '| cuda', torch.version.cuda, '| triton', triton.__version__, '|', torch.cuda.get_device_name(), 'sm_%d%d' % torch.cuda.get_device_capability())" || status=1
 
-echo "== kernel tests on the GPU (tests/kernel_checks.py)"
-timeout 130 $PYTHON tests/kernel_checks.py | grep -v "^PASS" || status=1
-
-if $PYTHON -c "import pytest" 2>/dev/null; then
-    echo "== CUDA graphs against eager decode (tests/test_cuda_graphs.py)"
-    timeout 50 $PYTHON -m pytest -q -p no:cacheprovider tests/test_cuda_graphs.py || status=1
+if want kernels; then
+    echo "== kernel tests on the GPU (tests/kernel_checks.py)"
+    timeout 130 $PYTHON tests/kernel_checks.py | grep -v "^PASS" || status=1
 fi
 
-echo "== decode benchmark (benchmarks/gpu_bench.py)"
-timeout 270 $PYTHON benchmarks/gpu_bench.py --budget-s 250 "$@" || status=1
+if $PYTHON -c "import pytest" 2>/dev/null; then
+    if want graphs; then
+        echo "== CUDA graphs against eager decode (tests/test_cuda_graphs.py)"
+        timeout 50 $PYTHON -m pytest -q -p no:cacheprovider tests/test_cuda_graphs.py || status=1
+    fi
+    if want device; then
+        echo "== every stage and the draft on CUDA against the CPU (tests/test_device.py)"
+        timeout 120 $PYTHON -m pytest -q -p no:cacheprovider tests/test_device.py || status=1
+    fi
+fi
+
+if want decode; then
+    echo "== decode benchmark (benchmarks/gpu_bench.py)"
+    timeout 270 $PYTHON benchmarks/gpu_bench.py --budget-s 250 "$@" || status=1
+fi
+
+if want scale; then
+    echo "== GPTQ W4A16 at Llama-3-8B's layer shapes, 128 x 2048 tokens (benchmarks/scale.py)"
+    timeout 300 $PYTHON benchmarks/scale.py --layers 3 --samples 128 --seq-len 2048 --only gptq --device cuda || status=1
+fi
 
 exit $status

@@ -18,6 +18,7 @@ STAGES = {
     "gptq": "  - type: gptq\n    scheme: W4A16\n",
     "awq+rtn": "  - type: awq\n  - type: rtn\n    scheme: W4A16\n",
 }
+LLM_COMPRESSOR_GPTQ_8B_S = 745  # Llama-3-8B GPTQ W4A16 on one GPU (its distributed-oneshot guide, ../shared/reference)
 LLAMA_3_8B = dict(hidden_size=4096, intermediate_size=14336, num_attention_heads=32, num_key_value_heads=8, vocab_size=128256,
                   max_position_embeddings=8192, rope_theta=500000.0, tie_word_embeddings=False)
 
@@ -85,6 +86,14 @@ def main() -> None:
         device_estimate = "-" if estimate["device_gib"] is None else f"{estimate['device_gib']:.2f}"
         print(f"{stage:9} {result['device']:7} {per_layer:8.1f} {32 * per_layer / 60:8.1f} m {host:6.2f} GiB {estimate['host_gib']:9.2f} "
               f"{estimate['host_gib'] / host:6.2f} {device_text:>12} {device_estimate:>9}")
+    for stage, result in results.items():
+        if result["device"].startswith("cuda") and stage == "gptq":
+            seconds = result["layer_seconds"]
+            thirty_two = 32 * sum(seconds[1:]) / max(1, len(seconds) - 1)
+            batch_gib = 8 * args.seq_len * 4096 * 4 / 2**30  # one batch of float32 activations
+            print(f"gptq, 32 layers: {thirty_two:.0f} s = {thirty_two / LLM_COMPRESSOR_GPTQ_8B_S:.2f}x llm-compressor's "
+                  f"{LLM_COMPRESSOR_GPTQ_8B_S} s (one GPU, its defaults); device peak {result['peak_device_gib']:.2f} GiB = "
+                  f"{result['peak_device_gib'] / (layer_bf16_gib + batch_gib):.2f}x one layer's bf16 weights + one batch")
     print(json.dumps(results, indent=2))
 
 

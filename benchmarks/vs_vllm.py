@@ -1,0 +1,164 @@
+"""`llmc serve` against `vllm serve` on the same artifact, one server at a time, driven by the same client: the
+official `openai` async client streaming chat completions of MT-bench first turns, greedy, `max_tokens` with
+`ignore_eos` so that every server writes the same number of tokens. vLLM runs twice: with its defaults, and with
+every core given to its model worker (VLLM_CPU_OMP_THREADS_BIND, VLLM_CPU_NUM_OF_RESERVED_CPU=0), its best here.
+Prints one table per artifact with llmc's ratio to vLLM's better setting.
+
+    python benchmarks/vs_vllm.py --vllm .vllm-venv [--formats w4a16 w8a8 fp8] [--concurrency 1 16 64]
+    (the venv: benchmarks/vllm_venv.sh; artifacts are quantized once into artifacts/ with the shipped recipes)
+"""
+import argparse
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+from openai import AsyncOpenAI
+
+from llmc.bench.load import RequestResult, measure, summarize
+
+ROOT = Path(__file__).resolve().parents[1]
+MT_BENCH = ROOT.parent / "shared" / "data" / "mt_bench" / "question.jsonl"
+RECIPES = {"w4a16": "smollm2-w4a16-rtn.yaml", "w8a8": "smollm2-w8a8-smoothquant.yaml", "fp8": "smollm2-fp8-dynamic.yaml"}
+PROMPTS_PER_CONCURRENCY = {1: 6, 16: 32, 64: 128}
+MODEL_NAME = "model"  # what both servers are told to call the artifact
+
+
+def artifact(format_name: str) -> Path:
+    """The shipped recipe's artifact, quantized once into artifacts/bench-FORMAT."""
+    output = ROOT / "artifacts" / f"bench-{format_name}"
+    if not (output / "llmc.json").is_file():
+        subprocess.run([sys.executable, "-m", "llmc", "quantize", str(ROOT / "recipes" / RECIPES[format_name]),
+                        "--output", str(output), "--overwrite"], check=True)
+    return output
+
+
+def server_command(kind: str, model: Path, port: int, vllm: Path) -> tuple[list[str], dict]:
+    if kind == "llmc":
+        return [sys.executable, "-m", "llmc", "serve", str(model), "--port", str(port), "--served-model-name", MODEL_NAME,
+                "--speculative", "off"], {}
+    command = [str(vllm / "bin" / "vllm"), "serve", str(model), "--port", str(port), "--served-model-name", MODEL_NAME,
+               "--dtype", "bfloat16", "--max-model-len", "2048"]
+    if kind == "vllm-all-cores":
+        return command, {"VLLM_CPU_OMP_THREADS_BIND": f"0-{os.cpu_count() - 1}", "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}
+    return command, {}
+
+
+def start_server(kind: str, model: Path, port: int, vllm: Path) -> tuple[subprocess.Popen, float]:
+    """The server, and the seconds until it answered /v1/models."""
+    command, extra_env = server_command(kind, model, port, vllm)
+    started = time.perf_counter()
+    process = subprocess.Popen(command, env=os.environ | extra_env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                               start_new_session=True)
+    while time.perf_counter() - started < 600:
+        if process.poll() is not None:
+            raise RuntimeError(f"{kind} exited with {process.returncode} before serving: {' '.join(command)}")
+        try:
+            if httpx.get(f"http://127.0.0.1:{port}/v1/models", timeout=2).status_code == 200:
+                return process, time.perf_counter() - started
+        except httpx.HTTPError:
+            pass
+        time.sleep(1)
+    raise RuntimeError(f"{kind} did not serve within 600 s")
+
+
+def stop_server(process: subprocess.Popen) -> None:
+    os.killpg(process.pid, signal.SIGTERM)
+    try:
+        process.wait(30)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+
+
+async def chat_stream(client: AsyncOpenAI, prompt: str, max_tokens: int):
+    stream = await client.chat.completions.create(
+        model=MODEL_NAME, messages=[{"role": "user", "content": prompt}], max_tokens=max_tokens, temperature=0,
+        stream=True, extra_body={"ignore_eos": True},
+    )
+    async for chunk in stream:
+        if chunk.choices and chunk.choices[0].delta.content:
+            yield 1
+
+
+async def drive(port: int, prompts: list[str], max_tokens: int, concurrency: int) -> dict:
+    client = AsyncOpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0, timeout=600)
+    gate = asyncio.Semaphore(concurrency)
+
+    async def one(prompt: str) -> RequestResult:
+        async with gate:
+            return await measure(chat_stream(client, prompt, max_tokens), RequestResult(0), None)
+
+    await one(prompts[0])  # warm-up
+    started = time.perf_counter()
+    results = await asyncio.gather(*(one(prompt) for prompt in prompts))
+    return summarize(list(results), time.perf_counter() - started)
+
+
+def measure_server(kind: str, model: Path, port: int, vllm: Path, prompts: list[str], max_tokens: int,
+                   concurrencies: list[int]) -> dict:
+    process, startup_s = start_server(kind, model, port, vllm)
+    try:
+        runs = {}
+        for concurrency in concurrencies:
+            count = PROMPTS_PER_CONCURRENCY.get(concurrency, 2 * concurrency)
+            chosen = [prompts[index % len(prompts)] for index in range(count)]
+            runs[concurrency] = asyncio.run(drive(port, chosen, max_tokens, concurrency))
+            print(f"  {kind:15} c={concurrency:<3} {runs[concurrency]['output_throughput']:7.1f} tok/s", flush=True)
+        return {"startup_s": startup_s, "runs": runs}
+    finally:
+        stop_server(process)
+
+
+def table(format_name: str, results: dict, concurrencies: list[int]) -> str:
+    best = {c: max(("vllm", "vllm-all-cores"), key=lambda kind: results[kind]["runs"][c]["output_throughput"]) for c in concurrencies}
+    lines = [f"\n{format_name}: output tok/s, TTFT p50 / p99, TPOT p50 (ms); ratio = llmc / vLLM's better setting",
+             f"{'server':16} {'start s':>7} " + " ".join(f"{'c=' + str(c):>30}" for c in concurrencies)]
+    for kind, result in results.items():
+        cells = []
+        for c in concurrencies:
+            run = result["runs"][c]
+            cells.append(f"{run['output_throughput']:7.1f} {run['ttft']['p50_ms']:6.0f}/{run['ttft']['p99_ms']:6.0f} "
+                         f"{run['tpot']['p50_ms']:6.1f}")
+        lines.append(f"{kind:16} {result['startup_s']:7.0f} " + " ".join(f"{cell:>30}" for cell in cells))
+    ratios = []
+    for c in concurrencies:
+        llmc, vllm = results["llmc"]["runs"][c], results[best[c]]["runs"][c]
+        ratios.append(f"x{llmc['output_throughput'] / vllm['output_throughput']:.2f} tok/s, "
+                      f"TTFT p50 x{vllm['ttft']['p50_ms'] / llmc['ttft']['p50_ms']:.2f}")
+    lines.append(f"{'llmc / best vLLM':16} {'':7} " + " ".join(f"{ratio:>30}" for ratio in ratios))
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--vllm", type=Path, default=ROOT / ".vllm-venv", help="venv with vLLM (benchmarks/vllm_venv.sh)")
+    parser.add_argument("--formats", nargs="+", choices=list(RECIPES), default=list(RECIPES))
+    parser.add_argument("--concurrency", nargs="+", type=int, default=[1, 16, 64])
+    parser.add_argument("--servers", nargs="+", choices=["llmc", "vllm", "vllm-all-cores"], default=["llmc", "vllm", "vllm-all-cores"])
+    parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument("--port", type=int, default=8471)
+    parser.add_argument("--json", type=Path, help="Write every measurement here.")
+    args = parser.parse_args()
+    if "vllm" in " ".join(args.servers) and not (args.vllm / "bin" / "vllm").is_file():
+        sys.exit(f"no vLLM in {args.vllm}: build it with benchmarks/vllm_venv.sh {args.vllm}")
+    prompts = [json.loads(line)["turns"][0] for line in MT_BENCH.read_text().splitlines() if line.strip()]
+    everything = {}
+    for format_name in args.formats:
+        model = artifact(format_name)
+        print(f"{format_name}: {model}", flush=True)
+        results = {kind: measure_server(kind, model, args.port, args.vllm, prompts, args.max_tokens, args.concurrency)
+                   for kind in args.servers}
+        everything[format_name] = results
+        if {"llmc", "vllm", "vllm-all-cores"} <= set(results):
+            print(table(format_name, results, args.concurrency), flush=True)
+    if args.json:
+        args.json.write_text(json.dumps(everything, indent=2))
+
+
+if __name__ == "__main__":
+    main()
