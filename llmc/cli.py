@@ -209,18 +209,24 @@ ENGINE_OPTIONS = [
     click.option("--speculative-max-num-seqs", type=click.IntRange(min=0), default=engine_default("speculative_max_num_seqs"),
                  show_default=True, help="Decode without drafts when more sequences than this run at once."),
     *SPECULATIVE_SHAPE_OPTIONS,
+    DEVICE_OPTION,
+    click.option("--compile/--no-compile", "compile_layers", default=None,
+                 help="torch.compile the layers' pieces around the attention; CPU only, on there by default (cached on disk)."),
 ]
 
 
-def build_engine(model: str, dtype: str, no_prefix_caching: bool, speculative: str, **options):
+def build_engine(model: str, dtype: str, no_prefix_caching: bool, speculative: str, device: str, compile_layers: bool | None,
+                 **options):
     """The in-process engine ENGINE_OPTIONS describe; the other options are EngineConfig's fields as they are."""
     import torch
 
     from llmc.runtime.llm_engine import LLMEngine
     from llmc.runtime.speculative.store import draft_folder
 
+    engine_device = chosen_device(device)
     config = EngineConfig(dtype=getattr(torch, dtype), enable_prefix_caching=not no_prefix_caching,
-                          speculative=draft_folder(model, speculative), **options)
+                          speculative=draft_folder(model, speculative), device=str(engine_device),
+                          compile=engine_device.type == "cpu" if compile_layers is None else compile_layers, **options)
     return LLMEngine(model, config)
 
 

@@ -30,7 +30,8 @@ def chat_prompts(tokenizer, count: int = 8) -> list[str]:
             for q in questions]
 
 
-def test_smollm2_w4a16_greedy_equals_transformers_on_dequantized_weights(artifact):
+@pytest.mark.parametrize("compile_layers", [False, True], ids=["eager", "compiled"])
+def test_smollm2_w4a16_greedy_equals_transformers_on_dequantized_weights(artifact, compile_layers):
     loaded = load_model(str(artifact))
     loaded.model.generation_config.eos_token_id = None
     prompts = chat_prompts(loaded.tokenizer)
@@ -40,7 +41,7 @@ def test_smollm2_w4a16_greedy_equals_transformers_on_dequantized_weights(artifac
         with torch.inference_mode():
             out = loaded.model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=NUM_TOKENS, do_sample=False)
         expected.append(out[0, ids.shape[1] :].tolist())
-    llm = LLMEngine(str(artifact), EngineConfig(dtype=torch.float32, kv_cache_gib=0.1))
+    llm = LLMEngine(str(artifact), EngineConfig(dtype=torch.float32, kv_cache_gib=0.1, compile=compile_layers))
     params = SamplingParams(temperature=0, max_tokens=NUM_TOKENS, ignore_eos=True)
     seqs = []
     for prompt in prompts:  # staggered: a new request every two steps
@@ -75,10 +76,11 @@ def test_smollm2_bfloat16_greedy_speculative_output_equals_plain_decoding(artifa
     assert not any(isinstance(module, torch.nn.Linear) for module in heads.modules())
 
 
-def test_smollm2_bfloat16_greedy_output_does_not_depend_on_the_batch(artifact):
+@pytest.mark.parametrize("compile_layers", [False, True], ids=["eager", "compiled"])
+def test_smollm2_bfloat16_greedy_output_does_not_depend_on_the_batch(artifact, compile_layers):
     """Decode attention runs one sequence at a time: batched, its float32 matmuls summed in another order and 4 of 4
     prompts diverged within 30 tokens between batch 4 and batch 1."""
-    engine = LLMEngine(str(artifact), EngineConfig(kv_cache_gib=0.1, enable_prefix_caching=False))
+    engine = LLMEngine(str(artifact), EngineConfig(kv_cache_gib=0.1, enable_prefix_caching=False, compile=compile_layers))
     prompts = chat_prompts(engine.tokenizer, 4)
     params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
     alone = [engine.generate([prompt], params)[0]["token_ids"] for prompt in prompts]

@@ -1,8 +1,8 @@
 """Quantized Linear forwards on torch's own kernels, shared by the runtime and the tests that check it against fake
-quantization: int8 x int8 -> int32 GEMM through torch._int_mm, float8 E4M3 GEMM through torch._scaled_mm.
-On CPU both accumulate exactly and the scales multiply the float32 result, as fake quantization does; on CUDA the
-FP8 scales go into _scaled_mm's epilogue. FP8 blocks accumulate one 128-column slice at a time, each scaled by its
-activation group and weight block."""
+quantization: int8 x int8 -> int32 GEMM through torch._int_mm, float8 E4M3 GEMM through torch._scaled_mm on CUDA.
+On CPU int8 accumulates exactly in int32, FP8 in float32 (a float32 matmul of its codes), and the scales multiply
+the result, as fake quantization does; on CUDA the FP8 scales go into _scaled_mm's epilogue. FP8 blocks accumulate
+one 128-column slice at a time, each scaled by its activation group and weight block."""
 from collections.abc import Callable
 
 import torch
@@ -22,7 +22,10 @@ def _int8_mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 
 
 def _fp8_mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """[M, K] x [N, K] float8 -> [M, N] float32, unscaled."""
+    """[M, K] x [N, K] float8 -> [M, N] float32, unscaled. On CPU a float32 matmul of the codes, which float32 holds
+    exactly (as it does their products): torch's CPU _scaled_mm is a slow reference loop, ~100x a float32 matmul."""
+    if not a.is_cuda:
+        return a.float() @ b.float().t()
     unit = torch.ones((), device=a.device)
     return torch._scaled_mm(a, b.t(), scale_a=unit, scale_b=unit, out_dtype=torch.float32)
 

@@ -3,6 +3,8 @@ from pathlib import Path
 
 import torch
 
+from llmc.errors import LlmcError
+
 
 @dataclass(slots=True)
 class EngineConfig:
@@ -22,6 +24,9 @@ class EngineConfig:
     # self-distillation reads the features it trains on from the generation itself instead of a second pass
     keep_hidden_states: bool = False
     enforce_eager: bool = False  # CUDA: run decode steps eagerly instead of replaying captured CUDA graphs
+    # CPU: torch.compile the decoder layers' pieces around the attention (engine/compiled.py): faster steps, after a
+    # compile at start that is cached on disk; False runs every op eagerly, the reference path
+    compile: bool = False
     speculative: Path | None = None  # a draft folder (config.json + heads) to propose tokens with
     # the draft's shape, None: the method's default (speculative.shape.DEFAULT_SHAPES)
     num_speculative_tokens: int | None = None  # draft depth
@@ -29,6 +34,10 @@ class EngineConfig:
     speculative_min_confidence: float | None = None  # verify only draft nodes whose path the draft finds at least this probable
     speculative_max_num_seqs: int = 4  # above this many sequences in a step, decode without drafts
     adaptive_speculation: bool = True  # draft only while measured decode throughput with drafts beats it without
+
+    def __post_init__(self) -> None:
+        if self.compile and not self.device.startswith("cpu"):
+            raise LlmcError("compile runs on the CPU; on CUDA decode steps replay captured CUDA graphs instead")
 
 
 def native_bfloat16(device: str) -> bool:

@@ -6,6 +6,7 @@ import torch
 
 from llmc.errors import LlmcError
 from llmc.runtime.cdiv import cdiv
+from llmc.runtime.engine.compiled import compile_decoder_layers
 from llmc.runtime.engine.config import EngineConfig
 from llmc.runtime.engine.cuda_graphs import DecodeGraphs
 from llmc.runtime.engine.grammar import masked_logits
@@ -53,6 +54,9 @@ class ModelRunner:
         if getattr(hf_config, "sliding_window", None) and getattr(hf_config, "use_sliding_window", True):
             self.max_model_len = min(self.max_model_len, hf_config.sliding_window)
         self.model = LlamaForCausalLM(hf_config, weights, self.max_model_len)
+        self.compile_s = None
+        if config.compile:
+            self.compile_s = compile_decoder_layers(self.model.layers, hf_config.hidden_size, config.dtype, config.device)
         use_graphs = DecodeGraphs.supported(config.device) and not config.enforce_eager and config.speculative is None
         # with graphs, one block past those the block manager hands out takes the K/V of padding rows
         self.kv_cache = torch.zeros(

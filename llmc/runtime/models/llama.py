@@ -24,11 +24,11 @@ class LlamaAttention(nn.Module):
         if kv_scales is not None:
             self.attn.k_scale, self.attn.v_scale = kv_scales
 
-    def forward(self, positions: torch.Tensor, hidden: torch.Tensor, metadata: AttentionMetadata) -> torch.Tensor:
+    def project(self, positions: torch.Tensor, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q, k (rotated) and v of each token: [tokens, heads, head_dim]."""
         qkv = self.qkv_proj(hidden).view(-1, self.num_heads + 2 * self.num_kv_heads, self.head_dim)
         q, k = self.rotary(positions, qkv[:, : self.num_heads + self.num_kv_heads]).split([self.num_heads, self.num_kv_heads], dim=1)
-        out = self.attn(q, k, qkv[:, self.num_heads + self.num_kv_heads :], metadata)
-        return self.o_proj(out.flatten(1))
+        return q, k, qkv[:, self.num_heads + self.num_kv_heads :]
 
 
 class LlamaMLP(nn.Module):
@@ -51,9 +51,18 @@ class LlamaDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(weights.tensor(f"{prefix}.post_attention_layernorm.weight"), eps)
         self.mlp = LlamaMLP(f"{prefix}.mlp", weights)
 
-    def forward(self, positions: torch.Tensor, hidden: torch.Tensor, metadata: AttentionMetadata) -> torch.Tensor:
-        hidden = hidden + self.self_attn(positions, self.input_layernorm(hidden), metadata)
+    # the layer in three pieces: the two around the paged attention have static shapes but the number of tokens, so
+    # they are what torch.compile compiles (engine/compiled.py); the attention reads the cache by each step's lengths
+    def attention_inputs(self, positions: torch.Tensor, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        return self.self_attn.project(positions, self.input_layernorm(hidden))
+
+    def attention_output(self, hidden: torch.Tensor, attended: torch.Tensor) -> torch.Tensor:
+        hidden = hidden + self.self_attn.o_proj(attended.flatten(1))
         return hidden + self.mlp(self.post_attention_layernorm(hidden))
+
+    def forward(self, positions: torch.Tensor, hidden: torch.Tensor, metadata: AttentionMetadata) -> torch.Tensor:
+        q, k, v = self.attention_inputs(positions, hidden)
+        return self.attention_output(hidden, self.self_attn.attn(q, k, v, metadata))
 
 
 class LlamaForCausalLM(nn.Module):

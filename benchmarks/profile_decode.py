@@ -1,0 +1,58 @@
+"""Where a decode step of the llmc runtime spends its time: an in-process engine on an artifact, BATCH sequences
+decoding together, the mean step time over STEPS steps, then torch.profiler's top operators of a few steps.
+
+    python benchmarks/profile_decode.py ARTIFACT [--batch 1 16] [--steps 40] [--dtype bfloat16] [--top 15] [--compile]
+"""
+import argparse
+import time
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from llmc.runtime.engine.config import EngineConfig
+from llmc.runtime.llm_engine import LLMEngine
+from llmc.runtime.sampling_params import SamplingParams
+
+PROMPT = "Explain in a few paragraphs why the sky is blue, and what sunsets have to do with it."
+
+
+def decode_steps(engine: LLMEngine, batch: int, steps: int) -> float:
+    """Seconds per step once every sequence decodes (their prefill is done first, outside the timing)."""
+    params = SamplingParams(temperature=0, max_tokens=steps + 8, ignore_eos=True)
+    for index in range(batch):
+        engine.add_request(PROMPT, params, f"r{time.perf_counter_ns()}-{index}")
+    while any(seq.num_computed_tokens < seq.num_prompt_tokens for seq in engine.scheduler.running + list(engine.scheduler.waiting)):
+        engine.step()
+    started = time.perf_counter()
+    for _ in range(steps):
+        engine.step()
+    elapsed = (time.perf_counter() - started) / steps
+    while engine.has_unfinished():
+        engine.step()
+    return elapsed
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("artifact")
+    parser.add_argument("--batch", nargs="+", type=int, default=[1, 16])
+    parser.add_argument("--steps", type=int, default=40)
+    parser.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
+    parser.add_argument("--top", type=int, default=15)
+    parser.add_argument("--compile", action="store_true", help="The decoder layers' pieces under torch.compile.")
+    args = parser.parse_args()
+    engine = LLMEngine(args.artifact, EngineConfig(dtype=getattr(torch, args.dtype), enable_prefix_caching=False,
+                                                   compile=args.compile))
+    if args.compile:
+        print(f"compiled in {engine.runner.compile_s:.1f} s")
+    decode_steps(engine, 1, 4)  # warm-up
+    for batch in args.batch:
+        step_s = decode_steps(engine, batch, args.steps)
+        print(f"batch {batch}: {step_s * 1e3:.1f} ms/step, {batch / step_s:.1f} tok/s")
+        with profile(activities=[ProfilerActivity.CPU]) as profiler:
+            decode_steps(engine, batch, 8)
+        print(profiler.key_averages().table(sort_by="self_cpu_time_total", row_limit=args.top))
+
+
+if __name__ == "__main__":
+    main()
