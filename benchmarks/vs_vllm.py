@@ -27,6 +27,7 @@ MT_BENCH = ROOT.parent / "shared" / "data" / "mt_bench" / "question.jsonl"
 RECIPES = {"w4a16": "smollm2-w4a16-rtn.yaml", "w8a8": "smollm2-w8a8-smoothquant.yaml", "fp8": "smollm2-fp8-dynamic.yaml"}
 PROMPTS_PER_CONCURRENCY = {1: 6, 16: 32, 64: 128}
 MODEL_NAME = "model"  # what both servers are told to call the artifact
+KV_CACHE_GIB = 1  # vLLM's CPU KV cache; without it vLLM reserves 92% of the NUMA node's memory and may refuse to start
 
 
 def artifact(format_name: str) -> Path:
@@ -44,9 +45,10 @@ def server_command(kind: str, model: Path, port: int, vllm: Path) -> tuple[list[
                 "--speculative", "off"], {}
     command = [str(vllm / "bin" / "vllm"), "serve", str(model), "--port", str(port), "--served-model-name", MODEL_NAME,
                "--dtype", "bfloat16", "--max-model-len", "2048"]
+    kv_cache = {"VLLM_CPU_KVCACHE_SPACE": str(KV_CACHE_GIB)}  # what llmc's engine takes by default
     if kind == "vllm-all-cores":
-        return command, {"VLLM_CPU_OMP_THREADS_BIND": f"0-{os.cpu_count() - 1}", "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}
-    return command, {}
+        return command, kv_cache | {"VLLM_CPU_OMP_THREADS_BIND": f"0-{os.cpu_count() - 1}", "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}
+    return command, kv_cache
 
 
 def start_server(kind: str, model: Path, port: int, vllm: Path) -> tuple[subprocess.Popen, float]:
@@ -93,10 +95,13 @@ async def drive(port: int, prompts: list[str], max_tokens: int, concurrency: int
         async with gate:
             return await measure(chat_stream(client, prompt, max_tokens), RequestResult(0), None)
 
-    await one(prompts[0])  # warm-up
-    started = time.perf_counter()
-    results = await asyncio.gather(*(one(prompt) for prompt in prompts))
-    return summarize(list(results), time.perf_counter() - started)
+    try:
+        await one(prompts[0])  # warm-up
+        started = time.perf_counter()
+        results = await asyncio.gather(*(one(prompt) for prompt in prompts))
+        return summarize(list(results), time.perf_counter() - started)
+    finally:
+        await client.close()
 
 
 def measure_server(kind: str, model: Path, port: int, vllm: Path, prompts: list[str], max_tokens: int,

@@ -210,12 +210,12 @@ ENGINE_OPTIONS = [
                  show_default=True, help="Decode without drafts when more sequences than this run at once."),
     *SPECULATIVE_SHAPE_OPTIONS,
     DEVICE_OPTION,
-    click.option("--compile/--no-compile", "compile_layers", default=None,
-                 help="torch.compile the layers' pieces around the attention; CPU only, on there by default (cached on disk)."),
+    click.option("--compile/--no-compile", "compile_layers", default=engine_default("compile"), show_default=True,
+                 help="CPU: torch.compile the decoder layers' pieces around the attention (compiled at start, cached on disk)."),
 ]
 
 
-def build_engine(model: str, dtype: str, no_prefix_caching: bool, speculative: str, device: str, compile_layers: bool | None,
+def build_engine(model: str, dtype: str, no_prefix_caching: bool, speculative: str, device: str, compile_layers: bool,
                  **options):
     """The in-process engine ENGINE_OPTIONS describe; the other options are EngineConfig's fields as they are."""
     import torch
@@ -226,7 +226,7 @@ def build_engine(model: str, dtype: str, no_prefix_caching: bool, speculative: s
     engine_device = chosen_device(device)
     config = EngineConfig(dtype=getattr(torch, dtype), enable_prefix_caching=not no_prefix_caching,
                           speculative=draft_folder(model, speculative), device=str(engine_device),
-                          compile=engine_device.type == "cpu" if compile_layers is None else compile_layers, **options)
+                          compile=compile_layers, **options)
     return LLMEngine(model, config)
 
 
@@ -257,21 +257,29 @@ def require_serve_extra() -> None:
 @click.option("--served-model-name", help="The model name clients send (default: ARTIFACT as given).")
 @click.option("--max-waiting", type=click.IntRange(min=0), default=DEFAULT_MAX_WAITING, show_default=True,
               help="Requests queued beyond --max-num-seqs before the server answers 503.")
+@click.option("--threads", type=click.IntRange(min=1),
+              help="CPU threads for the engine's math (default: all cores but one, which the HTTP event loop keeps).")
 @with_options(ENGINE_OPTIONS)
 @click.pass_context
 def serve(ctx: click.Context, artifact: str, vllm_args: tuple[str, ...], engine: str, vllm_executable: str | None, host: str,
-          port: int, api_key: str | None, served_model_name: str | None, max_waiting: int, **engine_options) -> None:
+          port: int, api_key: str | None, served_model_name: str | None, max_waiting: int, threads: int | None,
+          **engine_options) -> None:
     """Serve ARTIFACT (or any model spec) over an OpenAI-compatible HTTP API."""
     if engine == "vllm":
         from llmc.serve_vllm import exec_vllm, find_vllm, vllm_command
 
-        options = explicit_options(ctx, engine_options | {"max_waiting": max_waiting})
+        options = explicit_options(ctx, engine_options | {"max_waiting": max_waiting, "threads": threads})
         exec_vllm(vllm_command(find_vllm(vllm_executable), artifact, host, port, api_key, served_model_name or artifact, options,
                                vllm_args))
     if vllm_args or vllm_executable is not None:
         given = "--vllm" if vllm_executable is not None else " ".join(vllm_args)
         raise LlmcError(f"{given}: only with --engine vllm")
     require_serve_extra()
+    import torch
+
+    # the engine's threads and the event loop's on the same cores stall each other: a parallel op waits for
+    # every thread, and one of them was just preempted by the loop
+    torch.set_num_threads(threads or max(1, (os.cpu_count() or 1) - 1))
     from llmc.runtime.serving.async_engine import AsyncLLMEngine
     from llmc.runtime.serving.server import serve as run_server
 
