@@ -106,11 +106,8 @@ class ShardWriter:
 
 
 def sha256_of_file(path: Path) -> str:
-    digest = hashlib.sha256()
     with open(path, "rb") as file:
-        for chunk in iter(lambda: file.read(1 << 20), b""):
-            digest.update(chunk)
-    return digest.hexdigest()
+        return hashlib.file_digest(file, "sha256").hexdigest()
 
 
 def sha256_of_files(folder: Path) -> dict[str, str]:
