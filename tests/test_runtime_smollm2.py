@@ -76,11 +76,10 @@ def test_smollm2_bfloat16_greedy_speculative_output_equals_plain_decoding(artifa
     assert not any(isinstance(module, torch.nn.Linear) for module in heads.modules())
 
 
-@pytest.mark.parametrize("compile_layers", [False, True], ids=["eager", "compiled"])
-def test_smollm2_bfloat16_greedy_output_does_not_depend_on_the_batch(artifact, compile_layers):
+def test_smollm2_bfloat16_greedy_output_does_not_depend_on_the_batch(artifact):
     """Decode attention runs one sequence at a time: batched, its float32 matmuls summed in another order and 4 of 4
     prompts diverged within 30 tokens between batch 4 and batch 1."""
-    engine = LLMEngine(str(artifact), EngineConfig(kv_cache_gib=0.1, enable_prefix_caching=False, compile=compile_layers))
+    engine = LLMEngine(str(artifact), EngineConfig(kv_cache_gib=0.1, enable_prefix_caching=False))
     prompts = chat_prompts(engine.tokenizer, 4)
     params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
     alone = [engine.generate([prompt], params)[0]["token_ids"] for prompt in prompts]

@@ -24,8 +24,9 @@ class EngineConfig:
     # self-distillation reads the features it trains on from the generation itself instead of a second pass
     keep_hidden_states: bool = False
     enforce_eager: bool = False  # CUDA: run decode steps eagerly instead of replaying captured CUDA graphs
-    # CPU: torch.compile the decoder layers' pieces around the attention (engine/compiled.py): faster steps, after a
-    # compile at start that is cached on disk; False runs every op eagerly, the reference path
+    # CPU: torch.compile the decoder layers' pieces around the attention (engine/compiled.py), compiled at start and
+    # cached on disk. Float32 greedy output still equals transformers'; bfloat16 output may depend on the batch (a
+    # full test run saw a 40-token answer differ from token 25). False runs every op eagerly, the reference path
     compile: bool = False
     speculative: Path | None = None  # a draft folder (config.json + heads) to propose tokens with
     # the draft's shape, None: the method's default (speculative.shape.DEFAULT_SHAPES)
