@@ -74,7 +74,7 @@ def run_quantize(recipe: Recipe, overwrite: bool = False, eval_inputs: EvalInput
     num_samples, seq_len = calibration.input_ids.shape if calibration is not None else (0, 0)
     if ranks.distributed and num_samples < ranks.world_size:
         raise LlmcError(f"{ranks.world_size} ranks share {num_samples} calibration samples: give each rank one at least")
-    rank_samples = ranks.samples(num_samples).stop - ranks.samples(num_samples).start
+    rank_samples = len(range(num_samples)[ranks.samples(num_samples)])
     estimate = estimate_memory(config, [stage.type for stage in recipe.stages], rank_samples, seq_len, device)
     say(estimate.describe() + (" per rank" if ranks.distributed else ""), file=sys.stderr)
     require_fits(estimate, device, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))

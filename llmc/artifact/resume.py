@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from llmc.artifact.reader import Layout, dense_tensors
-from llmc.artifact.writer import ShardWriter, process_alive, sha256_of_file
+from llmc.artifact.writer import ShardWriter, killed_staging, sha256_of_file
 from llmc.calib.driver import EmitLayer, LayerReport, Resumption
 from llmc.errors import LlmcError
 from llmc.models.checkpoint import CheckpointReader
@@ -62,8 +62,7 @@ def run_fingerprint(recipe_fields: dict, calibration_sha256: str | None, llmc_ve
 def resumable_staging(output: Path, fingerprint: str) -> Path | None:
     """The newest staging folder for output with a journal, left by a process that no longer runs; refused (and
     left as it is) when another recipe, calibration set or llmc version wrote it."""
-    candidates = [folder for folder in output.parent.glob(f".{output.name}.partial-*")
-                  if (folder / JOURNAL).is_file() and not process_alive(int(folder.name.rsplit("-", 1)[1]))]
+    candidates = [folder for folder in killed_staging(output) if (folder / JOURNAL).is_file()]
     staging = max(candidates, key=lambda folder: (folder / JOURNAL).stat().st_mtime, default=None)
     if staging is None:
         print(f"--resume: no killed run of {output} left anything to resume; starting from the first layer", file=sys.stderr)

@@ -32,14 +32,23 @@ def process_alive(pid: int) -> bool:
     return True
 
 
-def remove_stale_staging(output: Path) -> None:
-    """A run killed outright (SIGKILL, the OOM killer, a lost machine) leaves its staging folder behind: remove the
-    ones whose process is gone, saying so."""
+def killed_staging(output: Path) -> list[Path]:
+    """The staging folders for output left behind by runs killed outright (SIGKILL, the OOM killer, a lost
+    machine): those whose process is gone."""
+    folders = []
     for folder in output.parent.glob(f".{output.name}.partial-*"):
         pid = folder.name.rsplit("-", 1)[1]
         if pid.isdigit() and not process_alive(int(pid)):
-            shutil.rmtree(folder, ignore_errors=True)
-            print(f"removed {folder}, left behind by process {pid}, which no longer runs", file=sys.stderr)
+            folders.append(folder)
+    return folders
+
+
+def remove_stale_staging(output: Path) -> None:
+    """Remove the killed runs' staging folders, saying so."""
+    for folder in killed_staging(output):
+        shutil.rmtree(folder, ignore_errors=True)
+        pid = folder.name.rsplit("-", 1)[1]
+        print(f"removed {folder}, left behind by process {pid}, which no longer runs", file=sys.stderr)
 
 
 @contextmanager

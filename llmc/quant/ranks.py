@@ -49,22 +49,24 @@ class Ranks:
     def sum_floats(self, *values: float) -> list[float]:
         return self.sum(torch.tensor(values, dtype=torch.float64)).tolist()
 
+    def _row_counts(self, num_rows: int) -> list[int]:
+        """Every rank's number of rows, in rank order."""
+        counts = [torch.zeros(1, dtype=torch.int64, device=self.device) for _ in range(self.world_size)]
+        dist.all_gather(counts, torch.tensor([num_rows], device=self.device))
+        return [int(count) for count in counts]
+
     def row_offset(self, num_rows: int) -> tuple[int, int]:
         """Where this rank's rows start among all ranks' rows in rank order, and how many there are in all."""
         if not self.distributed:
             return 0, num_rows
-        counts = [torch.zeros(1, dtype=torch.int64, device=self.device) for _ in range(self.world_size)]
-        dist.all_gather(counts, torch.tensor([num_rows], device=self.device))
-        counts = [int(count) for count in counts]
+        counts = self._row_counts(num_rows)
         return sum(counts[: self.rank]), sum(counts)
 
     def gather_rows(self, rows: torch.Tensor) -> torch.Tensor:
         """Every rank's rows (as many as each has), concatenated in rank order."""
         if not self.distributed:
             return rows
-        counts = [torch.zeros(1, dtype=torch.int64, device=self.device) for _ in range(self.world_size)]
-        dist.all_gather(counts, torch.tensor([len(rows)], device=self.device))
-        counts = [int(count) for count in counts]
+        counts = self._row_counts(len(rows))
         padded = torch.zeros(max(counts), *rows.shape[1:], dtype=rows.dtype, device=self.device)
         padded[: len(rows)] = rows
         gathered = [torch.empty_like(padded) for _ in range(self.world_size)]

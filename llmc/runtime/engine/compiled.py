@@ -18,8 +18,8 @@ PIECES = ("attention_inputs", "attention_output")
 
 
 def rows_unbacked(compiled):
-    """The number of tokens as a size dynamo does not specialise, not even to 1: one token and many then run the same
-    code, so a row's result does not depend on the rows beside it (bfloat16 greedy output independent of the batch)."""
+    """The number of tokens as a size dynamo does not specialise, not even to 1: one token and many run the same
+    graph. (That alone does not make bfloat16 rows independent of the batch: see EngineConfig.compile.)"""
     def call(first: torch.Tensor, second: torch.Tensor):
         torch._dynamo.decorators.mark_unbacked(first, 0)
         torch._dynamo.decorators.mark_unbacked(second, 0)
