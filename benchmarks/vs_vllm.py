@@ -39,10 +39,10 @@ def artifact(format_name: str) -> Path:
     return output
 
 
-def server_command(kind: str, model: Path, port: int, vllm: Path) -> tuple[list[str], dict]:
+def server_command(kind: str, model: Path, port: int, vllm: Path, llmc_args: list[str]) -> tuple[list[str], dict]:
     if kind == "llmc":
         return [sys.executable, "-m", "llmc", "serve", str(model), "--port", str(port), "--served-model-name", MODEL_NAME,
-                "--speculative", "off"], {}
+                "--speculative", "off", *llmc_args], {}
     command = [str(vllm / "bin" / "vllm"), "serve", str(model), "--port", str(port), "--served-model-name", MODEL_NAME,
                "--dtype", "bfloat16", "--max-model-len", "2048"]
     kv_cache = {"VLLM_CPU_KVCACHE_SPACE": str(KV_CACHE_GIB)}  # what llmc's engine takes by default
@@ -51,9 +51,9 @@ def server_command(kind: str, model: Path, port: int, vllm: Path) -> tuple[list[
     return command, kv_cache
 
 
-def start_server(kind: str, model: Path, port: int, vllm: Path) -> tuple[subprocess.Popen, float]:
+def start_server(kind: str, model: Path, port: int, vllm: Path, llmc_args: list[str]) -> tuple[subprocess.Popen, float]:
     """The server, and the seconds until it answered /v1/models."""
-    command, extra_env = server_command(kind, model, port, vllm)
+    command, extra_env = server_command(kind, model, port, vllm, llmc_args)
     started = time.perf_counter()
     process = subprocess.Popen(command, env=os.environ | extra_env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                                start_new_session=True)
@@ -104,9 +104,9 @@ async def drive(port: int, prompts: list[str], max_tokens: int, concurrency: int
         await client.close()
 
 
-def measure_server(kind: str, model: Path, port: int, vllm: Path, prompts: list[str], max_tokens: int,
+def measure_server(kind: str, model: Path, port: int, vllm: Path, llmc_args: list[str], prompts: list[str], max_tokens: int,
                    concurrencies: list[int]) -> dict:
-    process, startup_s = start_server(kind, model, port, vllm)
+    process, startup_s = start_server(kind, model, port, vllm, llmc_args)
     try:
         runs = {}
         for concurrency in concurrencies:
@@ -147,6 +147,7 @@ def main() -> None:
     parser.add_argument("--servers", nargs="+", choices=["llmc", "vllm", "vllm-all-cores"], default=["llmc", "vllm", "vllm-all-cores"])
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--port", type=int, default=8471)
+    parser.add_argument("--llmc-args", default="", help="More `llmc serve` options, e.g. \"--threads 1\".")
     parser.add_argument("--json", type=Path, help="Write every measurement here.")
     args = parser.parse_args()
     if "vllm" in " ".join(args.servers) and not (args.vllm / "bin" / "vllm").is_file():
@@ -156,7 +157,8 @@ def main() -> None:
     for format_name in args.formats:
         model = artifact(format_name)
         print(f"{format_name}: {model}", flush=True)
-        results = {kind: measure_server(kind, model, args.port, args.vllm, prompts, args.max_tokens, args.concurrency)
+        results = {kind: measure_server(kind, model, args.port, args.vllm, args.llmc_args.split(), prompts, args.max_tokens,
+                                        args.concurrency)
                    for kind in args.servers}
         everything[format_name] = results
         if {"llmc", "vllm", "vllm-all-cores"} <= set(results):

@@ -215,19 +215,22 @@ ENGINE_OPTIONS = [
 ]
 
 
-def build_engine(model: str, dtype: str, no_prefix_caching: bool, speculative: str, device: str, compile_layers: bool,
-                 **options):
-    """The in-process engine ENGINE_OPTIONS describe; the other options are EngineConfig's fields as they are."""
+def engine_config(model: str, dtype: str, no_prefix_caching: bool, speculative: str, device: str, compile_layers: bool,
+                  **options) -> EngineConfig:
+    """The engine ENGINE_OPTIONS describe; the other options are EngineConfig's fields as they are."""
     import torch
 
-    from llmc.runtime.llm_engine import LLMEngine
     from llmc.runtime.speculative.store import draft_folder
 
-    engine_device = chosen_device(device)
-    config = EngineConfig(dtype=getattr(torch, dtype), enable_prefix_caching=not no_prefix_caching,
-                          speculative=draft_folder(model, speculative), device=str(engine_device),
-                          compile=compile_layers, **options)
-    return LLMEngine(model, config)
+    return EngineConfig(dtype=getattr(torch, dtype), enable_prefix_caching=not no_prefix_caching,
+                        speculative=draft_folder(model, speculative), device=str(chosen_device(device)),
+                        compile=compile_layers, **options)
+
+
+def build_engine(model: str, **engine_options):
+    from llmc.runtime.llm_engine import LLMEngine
+
+    return LLMEngine(model, engine_config(model, **engine_options))
 
 
 def explicit_options(ctx: click.Context, options: dict) -> dict:
@@ -239,7 +242,7 @@ def explicit_options(ctx: click.Context, options: dict) -> dict:
 def require_serve_extra() -> None:
     import importlib.util
 
-    missing = [name for name in ("fastapi", "httpx", "prometheus_client", "uvicorn") if importlib.util.find_spec(name) is None]
+    missing = [name for name in ("fastapi", "httpx", "msgspec", "prometheus_client", "uvicorn") if importlib.util.find_spec(name) is None]
     if missing:
         raise LlmcError(f"{missing[0]} is not installed: pip install 'llmc-toolchain[serve]'")
 
@@ -258,7 +261,7 @@ def require_serve_extra() -> None:
 @click.option("--max-waiting", type=click.IntRange(min=0), default=DEFAULT_MAX_WAITING, show_default=True,
               help="Requests queued beyond --max-num-seqs before the server answers 503.")
 @click.option("--threads", type=click.IntRange(min=1),
-              help="CPU threads for the engine's math (default: all cores but one, which the HTTP event loop keeps).")
+              help="CPU threads for the engine's math, which runs in its own process beside the HTTP server's (default: all cores).")
 @with_options(ENGINE_OPTIONS)
 @click.pass_context
 def serve(ctx: click.Context, artifact: str, vllm_args: tuple[str, ...], engine: str, vllm_executable: str | None, host: str,
@@ -275,15 +278,13 @@ def serve(ctx: click.Context, artifact: str, vllm_args: tuple[str, ...], engine:
         given = "--vllm" if vllm_executable is not None else " ".join(vllm_args)
         raise LlmcError(f"{given}: only with --engine vllm")
     require_serve_extra()
-    import torch
-
-    # the engine's threads and the event loop's on the same cores stall each other: a parallel op waits for
-    # every thread, and one of them was just preempted by the loop
-    torch.set_num_threads(threads or max(1, (os.cpu_count() or 1) - 1))
-    from llmc.runtime.serving.async_engine import AsyncLLMEngine
+    from llmc.models.spec import resolve_model
+    from llmc.runtime.serving.engine_process import EngineProcess
     from llmc.runtime.serving.server import serve as run_server
 
-    run_server(AsyncLLMEngine(build_engine(artifact, **engine_options), max_waiting), served_model_name or artifact, host, port, api_key)
+    config = engine_config(artifact, **engine_options)
+    engine = EngineProcess(resolve_model(artifact), config, threads or os.cpu_count() or 1, max_waiting)
+    run_server(engine, served_model_name or artifact, host, port, api_key)
 
 
 @cli.command()

@@ -182,15 +182,14 @@ def llmc_serve(artifact: Path, *options: str, timeout: float = 180) -> Iterator[
 
 
 @contextmanager
-def in_process_server(llm, api_key: str, max_waiting: int = 4) -> Iterator[SimpleNamespace]:
-    """The app over llm on a uvicorn thread and a free port: base url, engines, and an openai client."""
+def in_process_server(engine, api_key: str) -> Iterator[SimpleNamespace]:
+    """The app over a StreamingEngine (an engine thread or an engine process) on a uvicorn thread and a free port:
+    base url, engine, and an openai client."""
     import openai
     import uvicorn
 
-    from llmc.runtime.serving.async_engine import AsyncLLMEngine
     from llmc.runtime.serving.server import build_app
 
-    engine = AsyncLLMEngine(llm, max_waiting=max_waiting)
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
     server = uvicorn.Server(uvicorn.Config(build_app(engine, "tiny", api_key), log_level="warning"))
@@ -202,7 +201,7 @@ def in_process_server(llm, api_key: str, max_waiting: int = 4) -> Iterator[Simpl
         time.sleep(0.02)
     base = f"http://127.0.0.1:{sock.getsockname()[1]}"
     try:
-        yield SimpleNamespace(base=base, llm=llm, engine=engine, client=openai.OpenAI(base_url=f"{base}/v1", api_key=api_key))
+        yield SimpleNamespace(base=base, engine=engine, client=openai.OpenAI(base_url=f"{base}/v1", api_key=api_key))
     finally:
         server.should_exit = True
         thread.join()

@@ -1,5 +1,6 @@
 import asyncio
 import json
+import os
 import signal
 import time
 
@@ -15,6 +16,7 @@ from llmc.recipe import load_recipe
 from llmc.runtime.engine.config import EngineConfig
 from llmc.runtime.llm_engine import LLMEngine
 from llmc.runtime.sampling_params import SamplingParams
+from llmc.runtime.serving.engine_process import EngineProcess
 
 API_KEY = "test-key"
 PROMPT = " ".join(CORPUS.split()[:12])
@@ -38,13 +40,18 @@ def wait_until(condition, timeout: float = 60.0) -> None:
 
 @pytest.fixture(scope="module")
 def server(artifact):
-    llm = LLMEngine(str(artifact), EngineConfig(dtype=torch.float32, max_num_seqs=MAX_NUM_SEQS, num_kv_blocks=64))
-    with in_process_server(llm, API_KEY, MAX_WAITING) as running:
+    """The server as `llmc serve` runs it: the engine in its own process. `llm` is the same engine in process, the
+    offline reference."""
+    config = EngineConfig(dtype=torch.float32, max_num_seqs=MAX_NUM_SEQS, num_kv_blocks=64)
+    engine = EngineProcess(artifact, config, threads=1, max_waiting=MAX_WAITING)
+    with in_process_server(engine, API_KEY) as running:
+        running.llm = LLMEngine(str(artifact), config)
         yield running
 
 
 def idle(server) -> bool:
-    return server.engine.num_requests == 0 and not server.llm.has_unfinished() and server.llm.block_manager.num_used_blocks == 0
+    stats = server.engine.stats()
+    return server.engine.num_requests == stats.num_running == stats.num_waiting == stats.num_used_blocks == 0
 
 
 def test_completions_match_offline_generation_and_stream_the_same_text(server, artifact):
@@ -217,7 +224,7 @@ async def open_stream(client: httpx.AsyncClient, base: str, max_tokens: int = 40
 
 
 def num_aborted(server) -> int:
-    return server.llm.scheduler.num_finished["abort"]
+    return (server.engine.stats().num_finished or {}).get("abort", 0)
 
 
 def test_full_queue_answers_503_and_disconnects_free_blocks(server):
@@ -241,11 +248,16 @@ def test_full_queue_answers_503_and_disconnects_free_blocks(server):
 
 def test_non_streaming_client_that_gives_up_is_aborted(server):
     aborted_before = num_aborted(server)
-    with pytest.raises(httpx.ReadTimeout):
-        httpx.post(f"{server.base}/v1/completions", headers={"Authorization": f"Bearer {API_KEY}"}, timeout=0.3,
-                   json={"model": "tiny", "prompt": PROMPT, "max_tokens": 400, "ignore_eos": True})
-    wait_until(lambda: idle(server))
-    assert num_aborted(server) == aborted_before + 1
+    os.kill(server.engine.pid, signal.SIGSTOP)  # the engine holds still, so the request cannot finish first
+    try:
+        with pytest.raises(httpx.ReadTimeout):
+            httpx.post(f"{server.base}/v1/completions", headers={"Authorization": f"Bearer {API_KEY}"}, timeout=0.3,
+                       json={"model": "tiny", "prompt": PROMPT, "max_tokens": 400, "ignore_eos": True})
+        wait_until(lambda: server.engine.num_requests == 0)  # the server saw the client go
+    finally:
+        os.kill(server.engine.pid, signal.SIGCONT)
+    wait_until(lambda: num_aborted(server) == aborted_before + 1)
+    assert idle(server)
 
 
 def test_soak_with_cancellations_leaks_no_blocks(server):
@@ -291,6 +303,24 @@ def test_llmc_serve_finishes_running_requests_on_sigterm(artifact):
         # uvicorn re-raises the signal it captured once the graceful shutdown is done
         assert process.wait(timeout=120) in (0, -signal.SIGTERM)
         assert "Finished server process" in process.stdout.read()
+
+
+def test_llmc_serve_stops_when_its_engine_process_dies(artifact):
+    import psutil
+
+    with llmc_serve(artifact, "--dtype", "float32", "--kv-cache-gib", "0.01", "--served-model-name", "tiny") as (process, base):
+        (engine,) = [child for child in psutil.Process(process.pid).children()
+                     if "spawn_main" in " ".join(child.cmdline()) and "resource_tracker" not in " ".join(child.cmdline())]
+        body = {"model": "tiny", "prompt": PROMPT, "max_tokens": 400, "stream": True, "ignore_eos": True}
+        with httpx.stream("POST", f"{base}/v1/completions", json=body, timeout=120) as response:
+            lines = (line for line in response.iter_lines() if line)
+            next(lines)
+            engine.kill()
+            rest = list(lines)
+        # the open stream ends (it does not hang) saying it was cut short, and the server exits on its own
+        assert rest[-1] == "data: [DONE]" and json.loads(rest[-2][6:])["choices"][0]["finish_reason"] == "abort"
+        assert process.wait(timeout=60) == -signal.SIGTERM
+        assert "the engine process exited with code -9; stopping the server" in process.stdout.read()
 
 
 def test_bench_against_the_url_with_poisson_arrivals(server):

@@ -385,7 +385,7 @@ def test_metrics_expose_acceptance(tiny_llama, trained):
     draft, prompts = trained
     engine = build(tiny_llama, speculative=draft)
     engine.generate(prompts[:1], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))
-    families = {family.name: family for family in EngineCollector(engine).collect()}
+    families = {family.name: family for family in EngineCollector(engine.stats).collect()}
     stats = engine.runner.speculator.stats
     assert families["llmc:spec_decode_num_accepted_tokens"].samples[0].value == stats.num_accepted_tokens > 0
     per_position = families["llmc:spec_decode_num_accepted_tokens_per_pos"].samples

@@ -103,7 +103,7 @@ def test_speculative_decoding_never_accepts_a_draft_token_the_grammar_rejects(ti
 
 def test_a_tree_row_is_masked_after_its_path_and_a_rejected_node_is_unreachable(tiny_llama):
     llm = engine(tiny_llama)
-    matcher = llm.grammars.matcher(StructuredOutput("json_schema", json.dumps(SCHEMAS[2])))  # {"ok": true|false}
+    matcher = llm.checks.grammars.matcher(StructuredOutput("json_schema", json.dumps(SCHEMAS[2])))  # {"ok": true|false}
     brace, quote, letter = (llm.tokenizer.convert_tokens_to_ids(token) for token in ("{", '"', "x"))
     tree = DraftTree(tokens=[brace, letter, quote], parents=[-1, -1, 0])  # "{", "x" (rejected), "{" then '"'
     masked = masked_tree_logits(torch.zeros(4, llm.runner.hf_config.vocab_size), matcher, tree)

@@ -11,6 +11,7 @@ from transformers import AutoTokenizer
 
 from llmc.runtime.engine.config import EngineConfig
 from llmc.runtime.llm_engine import LLMEngine
+from llmc.runtime.serving.async_engine import AsyncLLMEngine
 from llmc.runtime.serving.tool_calls import ToolCallStream, chat_prompt, parse_tool_calls
 
 # small enough for the tiny model's 512-token context once rendered into the prompt
@@ -31,7 +32,8 @@ def model(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def server(model):
-    with in_process_server(LLMEngine(model, EngineConfig(dtype=torch.float32, num_kv_blocks=256)), API_KEY) as running:
+    engine = AsyncLLMEngine(LLMEngine(model, EngineConfig(dtype=torch.float32, num_kv_blocks=256)))
+    with in_process_server(engine, API_KEY) as running:
         yield running
 
 

@@ -1,4 +1,3 @@
-import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -7,23 +6,15 @@ from transformers import AutoConfig, AutoTokenizer
 from llmc.errors import LlmcError
 from llmc.runtime.engine.block_manager import BlockManager
 from llmc.runtime.engine.config import EngineConfig
-from llmc.runtime.engine.grammar import GrammarCompiler
 from llmc.runtime.engine.model_runner import ModelRunner
 from llmc.runtime.engine.scheduler import Scheduler
 from llmc.runtime.engine.sequence import Sequence
+from llmc.runtime.engine_stats import EngineStats
 from llmc.runtime.layers.sampler import SampledToken
 from llmc.runtime.models.loader import WeightLoader
+from llmc.runtime.request_checks import RequestChecks, eos_token_ids
 from llmc.runtime.sampling_params import SamplingParams
 from llmc.runtime.speculative.decoder import SpeculativeDecoder
-
-
-def eos_token_ids(tokenizer, folder: Path) -> set[int]:
-    ids = {tokenizer.eos_token_id} - {None}
-    for name in ("config.json", "generation_config.json"):
-        path = folder / name
-        value = json.loads(path.read_text()).get("eos_token_id") if path.is_file() else None
-        ids |= set(value if isinstance(value, list) else [value] if value is not None else [])
-    return ids
 
 
 @dataclass(slots=True)
@@ -63,33 +54,25 @@ class LLMEngine:
         self.block_manager = BlockManager(runner.num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(config, self.block_manager)
         self.sequences: dict[str, Sequence] = {}
-        self.eos_token_ids = eos_ids
-        self.grammars = GrammarCompiler(tokenizer, runner.hf_config.vocab_size, eos_ids)
+        self.checks = RequestChecks(tokenizer, runner.hf_config.vocab_size, self.max_model_len, eos_ids)
 
     def tokenize(self, prompt: str | list[int]) -> list[int]:
-        return self.tokenizer.encode(prompt, add_special_tokens=False) if isinstance(prompt, str) else list(prompt)
+        return self.checks.tokenize(prompt)
 
-    def check_prompt(self, token_ids: list[int]) -> None:
-        if not token_ids:
-            raise LlmcError("the prompt is empty")
-        if len(token_ids) >= self.max_model_len:
-            raise LlmcError(f"the prompt has {len(token_ids)} tokens; this model accepts at most {self.max_model_len - 1}")
-        if any(not 0 <= token < self.runner.hf_config.vocab_size for token in token_ids):
-            raise LlmcError(f"prompt token ids must be in [0, {self.runner.hf_config.vocab_size})")
-
-    def check_structured_output(self, params: SamplingParams) -> None:
-        """A 400 before queueing for a schema the grammar compiler refuses (compiled once: it is cached)."""
-        if params.structured_output is not None:
-            self.grammars.compile(params.structured_output)
+    def stats(self) -> EngineStats:
+        scheduler, blocks, speculator = self.scheduler, self.block_manager, self.runner.speculator
+        return EngineStats(len(scheduler.running), len(scheduler.waiting), blocks.num_used_blocks, blocks.num_blocks,
+                           blocks.num_prefix_query_tokens, blocks.num_prefix_hit_tokens, scheduler.num_preemptions,
+                           dict(scheduler.num_finished), speculator.stats if speculator is not None else None)
 
     def add_request(self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None) -> Sequence:
         token_ids = self.tokenize(prompt)
-        self.check_prompt(token_ids)
+        self.checks.check_prompt(token_ids)
         seq = Sequence(token_ids, params, self.config.block_size, request_id)
         if seq.request_id in self.sequences:
             raise LlmcError(f"request id {seq.request_id!r} is already in use")
         if params.structured_output is not None:
-            seq.grammar = self.grammars.matcher(params.structured_output)
+            seq.grammar = self.checks.grammars.matcher(params.structured_output)
         self.sequences[seq.request_id] = seq
         self.scheduler.add(seq)
         return seq
@@ -153,7 +136,7 @@ class LLMEngine:
             seq.logprobs.append(token)
         seq.text = self.tokenizer.decode(seq.output_token_ids, skip_special_tokens=True)
         reason = None
-        if token.token_id in params.stop_token_ids or (token.token_id in self.eos_token_ids and not params.ignore_eos):
+        if token.token_id in params.stop_token_ids or (token.token_id in self.checks.eos_token_ids and not params.ignore_eos):
             reason = "stop"
         elif seq.grammar is not None and seq.grammar.is_terminated():
             reason = "stop"

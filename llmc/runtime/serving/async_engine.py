@@ -1,12 +1,17 @@
-"""Runs an LLMEngine on its own thread and streams each request's outputs to asyncio callers."""
+"""An LLMEngine behind per-request asyncio output streams. StreamingEngine owns the streams and the checks made
+before queueing; AsyncLLMEngine runs the engine on a thread of this process (in-process benchmarks, tests), and
+serving.engine_process runs it in a process of its own."""
 import asyncio
 import queue
 import threading
 import uuid
 from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
 
 from llmc.errors import LlmcError
+from llmc.runtime.engine_stats import EngineStats
 from llmc.runtime.llm_engine import LLMEngine, RequestOutput
+from llmc.runtime.request_checks import RequestChecks
 from llmc.runtime.sampling_params import SamplingParams
 from llmc.runtime.serving import DEFAULT_MAX_WAITING
 
@@ -15,26 +20,47 @@ class EngineBusy(LlmcError):
     """Every running and waiting slot is taken; the caller should retry later."""
 
 
-class AsyncLLMEngine:
-    def __init__(self, engine: LLMEngine, max_waiting: int = DEFAULT_MAX_WAITING):
-        self.engine = engine
-        self.max_requests = engine.config.max_num_seqs + max_waiting
-        self._commands: queue.SimpleQueue = queue.SimpleQueue()
+@dataclass(slots=True)
+class EngineCommand:
+    kind: str  # "add", "abort" or "stop"
+    request_id: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    params: SamplingParams | None = None
+
+
+def apply_command(engine: LLMEngine, command: EngineCommand, is_wanted: bool = True) -> None:
+    """An add whose caller has already gone (is_wanted False) is counted as aborted without being computed."""
+    if command.kind == "abort":
+        engine.abort(command.request_id)
+    elif is_wanted:
+        engine.add_request(command.token_ids, command.params, command.request_id)
+    else:
+        engine.count_abandoned()
+
+
+class StreamingEngine:
+    checks: RequestChecks
+
+    def __init__(self, checks: RequestChecks, max_num_seqs: int, max_waiting: int):
+        self.checks = checks
+        self.max_requests = max_num_seqs + max_waiting
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
-        self._stopped = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="llmc-engine", daemon=True)
 
     @property
     def num_requests(self) -> int:
         return len(self._streams)
 
     def start(self) -> None:
-        self._thread.start()
+        raise NotImplementedError
 
     def stop(self) -> None:
-        self._stopped.set()
-        self._commands.put(None)
-        self._thread.join()
+        raise NotImplementedError
+
+    def stats(self) -> EngineStats:
+        raise NotImplementedError
+
+    def _send(self, command: EngineCommand) -> None:
+        raise NotImplementedError
 
     def submit(self, requests: list[tuple[list[int], SamplingParams]]) -> list[AsyncIterator[RequestOutput]]:
         """Check and queue (prompt, params) requests now (errors raise here, before any is queued); return their
@@ -44,13 +70,13 @@ class AsyncLLMEngine:
         if self.num_requests + len(requests) > self.max_requests:
             raise EngineBusy(f"the server is at capacity ({self.max_requests} requests); retry later")
         for token_ids, params in requests:
-            self.engine.check_prompt(token_ids)
-            self.engine.check_structured_output(params)
+            self.checks.check_prompt(token_ids)
+            self.checks.check_structured_output(params)
         streams = []
         for token_ids, params in requests:
             request_id, stream = uuid.uuid4().hex, asyncio.Queue()
             self._streams[request_id] = (asyncio.get_running_loop(), stream)
-            self._commands.put(("add", token_ids, params, request_id))
+            self._send(EngineCommand("add", request_id, token_ids, params))
             streams.append(self._outputs(request_id, stream))
         return streams
 
@@ -65,33 +91,47 @@ class AsyncLLMEngine:
         finally:
             self._streams.pop(request_id, None)
             if not finished:
-                self._commands.put(("abort", request_id))
+                self._send(EngineCommand("abort", request_id))
 
-    def _apply(self, command: tuple) -> None:
-        if command[0] == "add":
-            _, token_ids, params, request_id = command
-            if request_id in self._streams:
-                self.engine.add_request(token_ids, params, request_id)
-            else:
-                self.engine.count_abandoned()
-        else:
-            self.engine.abort(command[1])
+    def _destination(self, output: RequestOutput) -> tuple[asyncio.AbstractEventLoop, asyncio.Queue] | None:
+        """Where an output goes. A finished request's stream is dropped here too, in case its caller never started
+        reading it."""
+        return (self._streams.pop if output.finish_reason else self._streams.get)(output.request_id, None)
+
+
+class AsyncLLMEngine(StreamingEngine):
+    """The engine on a thread of this process. Its Python work shares the GIL with the caller's event loop."""
+
+    def __init__(self, engine: LLMEngine, max_waiting: int = DEFAULT_MAX_WAITING):
+        super().__init__(engine.checks, engine.config.max_num_seqs, max_waiting)
+        self.engine = engine
+        self._commands: queue.SimpleQueue = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._run, name="llmc-engine", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._commands.put(EngineCommand("stop"))
+        self._thread.join()
+
+    def stats(self) -> EngineStats:
+        return self.engine.stats()
+
+    def _send(self, command: EngineCommand) -> None:
+        self._commands.put(command)
 
     def _run(self) -> None:
-        while not self._stopped.is_set():
-            if not self.engine.has_unfinished():
-                command = self._commands.get()  # idle: sleep until there is work
-                if command is None:
-                    return
-                self._apply(command)
+        while True:
+            commands = [] if self.engine.has_unfinished() else [self._commands.get()]  # idle: sleep until there is work
             while not self._commands.empty():
-                command = self._commands.get()
-                if command is None:
+                commands.append(self._commands.get())
+            for command in commands:
+                if command.kind == "stop":
                     return
-                self._apply(command)
+                apply_command(self.engine, command, command.request_id in self._streams)
             for output in self.engine.step():
-                # a finished request's stream is dropped here too, in case its caller never started reading it
-                target = (self._streams.pop if output.finish_reason else self._streams.get)(output.request_id, None)
-                if target is not None:
-                    loop, stream = target
+                destination = self._destination(output)
+                if destination is not None:
+                    loop, stream = destination
                     loop.call_soon_threadsafe(stream.put_nowait, output)

@@ -1,35 +1,36 @@
 """Prometheus metrics, named like vLLM's with an `llmc:` prefix. Engine state is read at scrape time."""
+from collections.abc import Callable
+
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-from llmc.runtime.llm_engine import LLMEngine
+from llmc.runtime.engine_stats import EngineStats
 from llmc.runtime.speculative.stats import SpeculativeStats
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
 
 
 class EngineCollector:
-    def __init__(self, engine: LLMEngine):
-        self.engine = engine
+    def __init__(self, stats: Callable[[], EngineStats]):
+        self.stats = stats
 
     def collect(self):
-        scheduler, blocks = self.engine.scheduler, self.engine.block_manager
-        yield GaugeMetricFamily("llmc:num_requests_running", "Requests in the running batch.", value=len(scheduler.running))
-        yield GaugeMetricFamily("llmc:num_requests_waiting", "Requests waiting for KV blocks.", value=len(scheduler.waiting))
-        usage = blocks.num_used_blocks / blocks.num_blocks
-        yield GaugeMetricFamily("llmc:kv_cache_usage_perc", "Fraction of KV blocks in use.", value=usage)
-        queries, hits = blocks.num_prefix_query_tokens, blocks.num_prefix_hit_tokens
+        stats = self.stats()
+        yield GaugeMetricFamily("llmc:num_requests_running", "Requests in the running batch.", value=stats.num_running)
+        yield GaugeMetricFamily("llmc:num_requests_waiting", "Requests waiting for KV blocks.", value=stats.num_waiting)
+        yield GaugeMetricFamily("llmc:kv_cache_usage_perc", "Fraction of KV blocks in use.", value=stats.num_used_blocks / stats.num_blocks)
+        queries, hits = stats.num_prefix_query_tokens, stats.num_prefix_hit_tokens
         yield CounterMetricFamily("llmc:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", value=queries)
         yield CounterMetricFamily("llmc:prefix_cache_hits", "Prompt tokens found in the prefix cache.", value=hits)
         hit_rate = hits / queries if queries else 0.0
         yield GaugeMetricFamily("llmc:prefix_cache_hit_rate", "Prefix-cache hits / queries, in tokens.", value=hit_rate)
-        yield CounterMetricFamily("llmc:num_preemptions", "Sequences preempted for lack of KV blocks.", value=scheduler.num_preemptions)
+        yield CounterMetricFamily("llmc:num_preemptions", "Sequences preempted for lack of KV blocks.", value=stats.num_preemptions)
         finished = CounterMetricFamily("llmc:request_success", "Finished requests.", labels=["finished_reason"])
         for reason in ("stop", "length", "abort"):
-            finished.add_metric([reason], scheduler.num_finished[reason])
+            finished.add_metric([reason], (stats.num_finished or {}).get(reason, 0))
         yield finished
-        if self.engine.runner.speculator is not None:
-            yield from self.collect_speculative(self.engine.runner.speculator.stats)
+        if stats.speculative is not None:
+            yield from self.collect_speculative(stats.speculative)
 
     def collect_speculative(self, stats: SpeculativeStats):
         yield CounterMetricFamily("llmc:spec_decode_num_drafts", "Verification steps with draft tokens.", value=stats.num_drafts)
@@ -45,9 +46,9 @@ class EngineCollector:
 
 
 class ServerMetrics:
-    def __init__(self, engine: LLMEngine):
+    def __init__(self, stats: Callable[[], EngineStats]):
         self.registry = CollectorRegistry()
-        self.registry.register(EngineCollector(engine))
+        self.registry.register(EngineCollector(stats))
         self.time_to_first_token = Histogram(
             "llmc:time_to_first_token_seconds", "Time to first token.", buckets=LATENCY_BUCKETS, registry=self.registry
         )

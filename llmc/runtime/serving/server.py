@@ -1,6 +1,8 @@
 """OpenAI-compatible HTTP server: /v1/completions, /v1/chat/completions (SSE streaming), /v1/models, /health,
-/metrics. The engine runs on its own thread; a request whose client goes away is aborted and its blocks freed."""
+/metrics. The engine runs in its own process (or on a thread, in tests); a request whose client goes away is
+aborted and its blocks freed."""
 import asyncio
+import contextlib
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -13,8 +15,9 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from llmc.errors import LlmcError
-from llmc.runtime.llm_engine import LLMEngine, RequestOutput
-from llmc.runtime.serving.async_engine import AsyncLLMEngine, EngineBusy
+from llmc.runtime.llm_engine import RequestOutput
+from llmc.runtime.request_checks import RequestChecks
+from llmc.runtime.serving.async_engine import EngineBusy, StreamingEngine
 from llmc.runtime.serving.metrics import ServerMetrics
 from llmc.runtime.serving.protocol import ChatCompletionRequest, CompletionRequest, SamplingRequest
 from llmc.runtime.serving.responses import completed, echoed, response_header, sse
@@ -42,14 +45,14 @@ class Unauthorized(LlmcError):
 
 @dataclass
 class ServerState:
-    engine: AsyncLLMEngine
+    engine: StreamingEngine
     model_name: str
     metrics: ServerMetrics
     api_key: str | None = None
 
     @property
-    def llm(self) -> LLMEngine:
-        return self.engine.engine
+    def checks(self) -> RequestChecks:
+        return self.engine.checks
 
 
 def server_state(request: Request) -> ServerState:
@@ -130,6 +133,8 @@ async def collect(request: Request, streams: list[AsyncIterator[RequestOutput]])
         await asyncio.wait({task}, timeout=DISCONNECT_POLL_SECONDS)
         if not task.done() and await request.is_disconnected():
             task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
             raise ClientGone
     return task.result()
 
@@ -142,7 +147,7 @@ async def respond(request: Request, state: ServerState, body: SamplingRequest, p
     """Each prompt answered body.n times; choice i * n + j is prompt i's answer j."""
     header = response_header(state.model_name, chat, body.stream)
     start = time.monotonic()
-    max_model_len, decode = state.llm.max_model_len, state.llm.tokenizer.decode
+    max_model_len, decode = state.checks.max_model_len, state.checks.tokenizer.decode
     requests = [(prompt, params) for prompt in prompts for params in body.sampling_params(len(prompt), max_model_len)]
     streams = [timed(stream, start, state.metrics) for stream in state.engine.submit(requests)]
     if body.echoes_prompt:
@@ -168,23 +173,23 @@ operations = APIRouter()
 @v1.post("/completions")
 async def completions(body: CompletionRequest, request: Request, state: State):
     check_model(body, state.model_name)
-    prompts = [state.llm.tokenize(prompt) for prompt in body.prompts()]
+    prompts = [state.checks.tokenize(prompt) for prompt in body.prompts()]
     return await respond(request, state, body, prompts, chat=False)
 
 
 @v1.post("/chat/completions")
 async def chat_completions(body: ChatCompletionRequest, request: Request, state: State):
     check_model(body, state.model_name)
-    tokenizer = state.llm.tokenizer
+    tokenizer = state.checks.tokenizer
     if not tokenizer.chat_template:
         raise LlmcError(f"{state.model_name} has no chat template; use /v1/completions")
     text = chat_prompt(tokenizer, body.conversation(), body.template_tools())
-    return await respond(request, state, body, [state.llm.tokenize(text)], chat=True)
+    return await respond(request, state, body, [state.checks.tokenize(text)], chat=True)
 
 
 @v1.get("/models")
 async def models(state: State):
-    card = {"id": state.model_name, "object": "model", "created": 0, "owned_by": "llmc", "max_model_len": state.llm.max_model_len}
+    card = {"id": state.model_name, "object": "model", "created": 0, "owned_by": "llmc", "max_model_len": state.checks.max_model_len}
     return {"object": "list", "data": [card]}
 
 
@@ -206,15 +211,15 @@ async def lifespan(app: FastAPI):
     engine.stop()
 
 
-def build_app(engine: AsyncLLMEngine, model_name: str, api_key: str | None = None) -> FastAPI:
+def build_app(engine: StreamingEngine, model_name: str, api_key: str | None = None) -> FastAPI:
     app = FastAPI(title="llmc", lifespan=lifespan, exception_handlers=EXCEPTION_HANDLERS)
-    app.state.server = ServerState(engine, model_name, ServerMetrics(engine.engine), api_key)
+    app.state.server = ServerState(engine, model_name, ServerMetrics(engine.stats), api_key)
     app.include_router(v1)
     app.include_router(operations)
     return app
 
 
-def serve(engine: AsyncLLMEngine, model_name: str, host: str, port: int, api_key: str | None) -> None:
+def serve(engine: StreamingEngine, model_name: str, host: str, port: int, api_key: str | None) -> None:
     """Serve until SIGINT/SIGTERM; on either, uvicorn stops accepting and lets running requests finish."""
     import uvicorn
 

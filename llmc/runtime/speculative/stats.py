@@ -1,4 +1,3 @@
-from collections import Counter
 from dataclasses import dataclass, field
 
 
@@ -12,7 +11,7 @@ class SpeculativeStats:
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
     accepted_per_position: list[int] = field(default_factory=list)
-    accepted_lengths: Counter = field(default_factory=Counter)
+    accepted_lengths: dict[int, int] = field(default_factory=dict)  # accepted length: how many drafts
 
     def __post_init__(self) -> None:
         self.accepted_per_position = self.accepted_per_position or [0] * self.num_positions
@@ -26,7 +25,7 @@ class SpeculativeStats:
         self.num_accepted_tokens += num_accepted
         for position in range(num_accepted):
             self.accepted_per_position[position] += 1
-        self.accepted_lengths[num_accepted + 1] += 1
+        self.accepted_lengths[num_accepted + 1] = self.accepted_lengths.get(num_accepted + 1, 0) + 1
 
     @property
     def mean_accepted_length(self) -> float:

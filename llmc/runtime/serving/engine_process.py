@@ -1,0 +1,160 @@
+"""The engine in a process of its own, as `llmc serve` runs it. In one process the engine thread and the HTTP event
+loop take turns at the GIL, and the engine waits for it between two ops of every step; in two, neither waits for
+the other. Commands and outputs cross two pipes as msgpack (msgspec), typed on both ends."""
+import asyncio
+import logging
+import multiprocessing
+import os
+import signal
+from dataclasses import dataclass, field
+from multiprocessing.connection import Connection
+from pathlib import Path
+
+import msgspec
+
+from llmc.errors import LlmcError
+from llmc.runtime.engine.config import EngineConfig
+from llmc.runtime.engine_stats import EngineStats
+from llmc.runtime.llm_engine import LLMEngine, RequestOutput
+from llmc.runtime.request_checks import RequestChecks, eos_token_ids
+from llmc.runtime.serving import DEFAULT_MAX_WAITING
+from llmc.runtime.serving.async_engine import EngineBusy, EngineCommand, StreamingEngine, apply_command
+
+logger = logging.getLogger(__name__)
+STOP_SECONDS = 30.0
+
+
+@dataclass(slots=True)
+class EngineReady:
+    max_model_len: int = 0
+    error: str | None = None  # the engine could not be built: why
+
+
+@dataclass(slots=True)
+class StepReply:
+    outputs: list[RequestOutput] = field(default_factory=list)
+    stats: EngineStats = field(default_factory=EngineStats)
+
+
+def run_engine(folder: str, config: EngineConfig, threads: int, commands: Connection, replies: Connection) -> None:
+    """The engine process: build the engine, then step while there is work and apply commands between steps."""
+    import torch
+
+    # Ctrl-C and a SIGTERM to the process group reach the engine too; the server drains its requests and then stops
+    # the engine itself (and if the server is killed, the engine reads the end of its pipe and exits)
+    for signal_number in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(signal_number, signal.SIG_IGN)
+    torch.set_num_threads(threads)
+    encode, decode = msgspec.msgpack.Encoder().encode, msgspec.msgpack.Decoder(EngineCommand).decode
+    try:
+        engine = LLMEngine(folder, config)
+    except LlmcError as error:
+        replies.send_bytes(encode(EngineReady(error=str(error))))
+        return
+    replies.send_bytes(encode(EngineReady(engine.max_model_len)))
+    try:
+        while True:
+            if not engine.has_unfinished():
+                commands.poll(None)  # idle: sleep until there is work
+            num_applied = 0
+            while commands.poll():
+                command = decode(commands.recv_bytes())
+                if command.kind == "stop":
+                    return
+                apply_command(engine, command)
+                num_applied += 1
+            outputs = engine.step()
+            if outputs or num_applied:  # an abort changes the counters without an output
+                replies.send_bytes(encode(StepReply(outputs, engine.stats())))
+    except (EOFError, BrokenPipeError):  # the server is gone
+        return
+
+
+class EngineProcess(StreamingEngine):
+    """The engine in a child process. Built here, before the server starts: an engine that cannot be built is a
+    clear error, not a server that never answers."""
+
+    def __init__(self, folder: Path, config: EngineConfig, threads: int, max_waiting: int = DEFAULT_MAX_WAITING):
+        from transformers import AutoConfig, AutoTokenizer
+
+        context = multiprocessing.get_context("spawn")  # a fresh interpreter: no forked torch threads or CUDA state
+        commands_out, commands_in = context.Pipe(duplex=False)
+        replies_out, replies_in = context.Pipe(duplex=False)
+        self._process = context.Process(target=run_engine, args=(str(folder), config, threads, commands_out, replies_in),
+                                        name="llmc-engine", daemon=True)
+        self._process.start()
+        commands_out.close()
+        replies_in.close()
+        self._commands, self._replies = commands_in, replies_out
+        self._encode = msgspec.msgpack.Encoder().encode
+        self._decode_reply = msgspec.msgpack.Decoder(StepReply).decode
+        ready = self._ready()
+        tokenizer = AutoTokenizer.from_pretrained(folder)
+        checks = RequestChecks(tokenizer, AutoConfig.from_pretrained(folder).vocab_size, ready.max_model_len,
+                               eos_token_ids(tokenizer, folder))
+        super().__init__(checks, config.max_num_seqs, max_waiting)
+        self._stats = EngineStats()
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    @property
+    def pid(self) -> int:
+        return self._process.pid
+
+    def _ready(self) -> EngineReady:
+        try:
+            ready = msgspec.msgpack.Decoder(EngineReady).decode(self._replies.recv_bytes())
+        except EOFError:
+            self._process.join()
+            raise LlmcError(f"the engine process exited with code {self._process.exitcode} while loading the model "
+                            "(its error is above)") from None
+        if ready.error is not None:
+            self._process.join()
+            raise LlmcError(ready.error)
+        return ready
+
+    def start(self) -> None:
+        """On the server's event loop: outputs are read there as soon as the engine sends them."""
+        self._loop = asyncio.get_running_loop()
+        self._loop.add_reader(self._replies.fileno(), self._receive)
+
+    def stop(self) -> None:
+        if self._loop is not None:
+            self._loop.remove_reader(self._replies.fileno())
+        if self._process.is_alive():
+            self._send(EngineCommand("stop"))
+            self._process.join(STOP_SECONDS)
+        if self._process.is_alive():
+            self._process.kill()
+            self._process.join()
+
+    def stats(self) -> EngineStats:
+        return self._stats
+
+    def _send(self, command: EngineCommand) -> None:
+        try:
+            self._commands.send_bytes(self._encode(command))
+        except BrokenPipeError:  # the engine died; the server is stopping (_engine_died)
+            if command.kind == "add":
+                raise EngineBusy("the engine process has stopped") from None
+
+    def _receive(self) -> None:
+        try:
+            reply = self._decode_reply(self._replies.recv_bytes())
+        except EOFError:
+            self._engine_died()
+            return
+        self._stats = reply.stats
+        for output in reply.outputs:
+            destination = self._destination(output)
+            if destination is not None:
+                destination[1].put_nowait(output)
+
+    def _engine_died(self) -> None:
+        """Ends every open stream (aborted) and stops the server: nothing can answer its requests any more."""
+        self._loop.remove_reader(self._replies.fileno())
+        self._process.join()
+        logger.error("the engine process exited with code %s; stopping the server", self._process.exitcode)
+        for request_id, (_, stream) in list(self._streams.items()):
+            stream.put_nowait(RequestOutput(request_id, [], "", finish_reason="abort"))
+        self._streams.clear()
+        os.kill(os.getpid(), signal.SIGTERM)
