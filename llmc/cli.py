@@ -197,7 +197,7 @@ def train_draft_command(artifact: Path, prompts: tuple[Path, ...], overrides: tu
 
 ENGINE_OPTIONS = [
     click.option("--dtype", type=click.Choice(["bfloat16", "float32"]), default=str(engine_default("dtype")).removeprefix("torch."),
-                 show_default=True, help="bfloat16 runs int4 weights on torch's int4 kernel; float32 is the exact reference path."),
+                 show_default=True, help="bfloat16 runs int4 weights on torch's int4 kernels; float32 is the exact reference path."),
     click.option("--kv-cache-gib", type=click.FloatRange(min=0.001), default=engine_default("kv_cache_gib"), show_default=True),
     click.option("--max-num-seqs", type=click.IntRange(min=1), default=engine_default("max_num_seqs"), show_default=True),
     click.option("--max-num-batched-tokens", type=click.IntRange(min=1), default=engine_default("max_num_batched_tokens"),
@@ -210,6 +210,11 @@ ENGINE_OPTIONS = [
                  show_default=True, help="Decode without drafts when more sequences than this run at once."),
     *SPECULATIVE_SHAPE_OPTIONS,
     DEVICE_OPTION,
+    click.option("--amx-int4/--no-amx-int4", default=engine_default("amx_int4"), show_default=True,
+                 help="CPU with AMX, bfloat16: int4 layers compiled onto inductor's AMX int4 GEMM at start (cached on disk)."),
+    click.option("--max-eager-int4-rows", type=click.IntRange(min=0), default=engine_default("max_eager_int4_rows"),
+                 show_default=True, help="With --amx-int4: steps of at most this many tokens keep torch's eager int4 kernel, "
+                 "faster for few rows; 0 puts every step on AMX, so a token's bits do not depend on the batch."),
     click.option("--compile/--no-compile", "compile_layers", default=engine_default("compile"), show_default=True,
                  help="CPU: torch.compile the decoder layers' pieces around the attention (compiled at start, cached on disk)."),
 ]

@@ -4,6 +4,7 @@ import torch.nn.functional as F
 
 from llmc.quant.qtypes import QuantArgs, quantize_weight
 from llmc.runtime.layers.attention import decode_attention_reference, prefill_attention_reference
+from llmc.runtime.layers.int4_amx import amx_available
 from llmc.runtime.layers.linear import DenseLinear, Int4CpuLinear, Int8CpuLinear, build_linear
 from llmc.runtime.layers.linear_weight import LinearWeight
 from llmc.runtime.layers.norm import RMSNorm
@@ -35,6 +36,30 @@ def test_kernel_choice_and_bfloat16_int4_matches_dense():
     x = torch.randn(4, 128)
     expected = F.linear(x, quantized().dequantize(), bias)
     torch.testing.assert_close(int4(x.bfloat16()).float(), expected, atol=0.15, rtol=0.02)
+
+
+@pytest.mark.skipif(not amx_available(), reason="the CPU has no AMX tiles")
+def test_int4_on_amx_matches_the_eager_kernel_and_each_row_gets_the_bits_it_gets_alone():
+    linear = Int4CpuLinear(LinearWeight(quantized(256, 512, group_size=64), torch.randn(256)), torch.bfloat16, "cpu")
+    with torch.inference_mode():  # as the engine runs it
+        x = torch.randn(40, 512).bfloat16()
+        eager = linear(x)
+        assert linear.use_amx(max_eager_rows=0)
+        together = linear(x)
+        assert not torch.equal(together, eager)  # another kernel: its own summation order
+        assert (together - eager).abs().max() <= 0.02 * eager.abs().max()
+        assert all(torch.equal(linear(x[:rows]), together[:rows]) for rows in (1, 2, 7, 33))
+        linear.max_eager_rows = 12
+        assert torch.equal(linear(x[:12]), eager[:12]) and torch.equal(linear(x[:13]), together[:13])
+
+
+def test_an_amx_matmul_that_disagrees_with_the_eager_kernel_stays_eager(monkeypatch, caplog):
+    linear = Int4CpuLinear(LinearWeight(quantized(64, 128, group_size=64)), torch.bfloat16, "cpu")
+    monkeypatch.setattr(torch, "compile", lambda function, **options: lambda x: torch.zeros(len(x), 64, dtype=x.dtype))
+    assert not linear.use_amx(max_eager_rows=0) and linear.amx is None
+    assert "stays on the eager kernel" in caplog.text
+    x = torch.randn(3, 128).bfloat16()
+    assert torch.equal(linear(x), linear.matmul(x))
 
 
 def test_bfloat16_int8_channel_weights_run_their_kernel_and_each_row_gets_the_bits_it_gets_alone():

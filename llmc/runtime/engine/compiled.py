@@ -5,13 +5,12 @@ prefill chunk; the attention itself stays eager, reading the cache by each step'
 Inductor fuses the elementwise work into a few C++ (CPU) loops and calls the matmul kernels directly. Compiled
 code is cached on disk (inductor's FX graph cache, under LLMC_HOME/inductor), so a later start reuses it."""
 import logging
-import os
 import time
 
 import torch
 from torch import nn
 
-from llmc.models.spec import llmc_home
+from llmc.runtime.inductor_cache import use_llmc_inductor_cache
 
 logger = logging.getLogger(__name__)
 PIECES = ("attention_inputs", "attention_output")
@@ -30,7 +29,7 @@ def rows_unbacked(compiled):
 
 def compile_decoder_layers(layers: nn.ModuleList, hidden_size: int, dtype: torch.dtype, device: str) -> float:
     """Every layer's pieces replaced by their compiled versions, compiled now; returns the seconds that took."""
-    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(llmc_home() / "inductor"))
+    use_llmc_inductor_cache()
     started = time.perf_counter()
     for layer in layers:
         for piece in PIECES:

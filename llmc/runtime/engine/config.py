@@ -19,6 +19,12 @@ class EngineConfig:
     # weight-only quantized weights dequantized at load onto dense matmuls: the same weights, at other rounding than
     # the serving kernels; on CPU faster at many rows a step, where the time of torch's int4 kernel grows with the rows
     dense_weights: bool = False
+    # a CPU with AMX, bfloat16: int4 layers compiled onto inductor's AMX int4 GEMM (layers/int4_amx.py) at start;
+    # False keeps torch's eager int4 kernel for every step, as does compile (its graphs hold the int4 op themselves)
+    amx_int4: bool = True
+    # with amx_int4, steps of at most this many tokens keep the eager kernel, faster for a few rows; a token's bits then
+    # depend on whether its step had more tokens than this. 0: every step on AMX, bits independent of the batch
+    max_eager_int4_rows: int = 12
     device: str = "cpu"
     # every sequence keeps the final hidden state (float32) of each token it computes, in Sequence.hidden_states:
     # self-distillation reads the features it trains on from the generation itself instead of a second pass

@@ -12,6 +12,8 @@ from llmc.runtime.engine.cuda_graphs import DecodeGraphs
 from llmc.runtime.engine.grammar import masked_logits
 from llmc.runtime.engine.sequence import Sequence
 from llmc.runtime.layers.attention import AttentionMetadata, DecodeRows, decode_buckets
+from llmc.runtime.layers.int4_amx import amx_available
+from llmc.runtime.layers.linear import Int4CpuLinear
 from llmc.runtime.layers.sampler import SampledToken, sample, token_logprobs
 from llmc.runtime.models.llama import LlamaForCausalLM
 from llmc.runtime.models.loader import WeightLoader
@@ -25,6 +27,19 @@ class Speculator(Protocol):
     """Drafts and verifies tokens in the step that computes `hidden` (the speculative package's decoder)."""
 
     def step(self, seqs: list[Sequence], hidden: torch.Tensor, started: float) -> dict[Sequence, list[SampledToken]]: ...
+
+
+def amx_int4(model: torch.nn.Module, max_eager_rows: int) -> float | None:
+    """The model's int4 layers compiled onto AMX (Int4CpuLinear.use_amx); the seconds that took, None without any."""
+    linears = [module for module in model.modules() if isinstance(module, Int4CpuLinear)]
+    if not linears:
+        return None
+    started = time.perf_counter()
+    logger.info("compiling %d int4 matmuls for AMX (cached on disk for later starts)", len(linears))
+    served = sum(linear.use_amx(max_eager_rows) for linear in linears)
+    seconds = time.perf_counter() - started
+    logger.info("%d of %d int4 matmuls on AMX, compiled in %.1f s", served, len(linears), seconds)
+    return seconds
 
 
 class ModelRunner:
@@ -54,6 +69,8 @@ class ModelRunner:
         if getattr(hf_config, "sliding_window", None) and getattr(hf_config, "use_sliding_window", True):
             self.max_model_len = min(self.max_model_len, hf_config.sliding_window)
         self.model = LlamaForCausalLM(hf_config, weights, self.max_model_len)
+        use_amx = config.amx_int4 and not config.compile and amx_available()
+        self.amx_s = amx_int4(self.model, config.max_eager_int4_rows) if use_amx else None
         self.compile_s = None
         if config.compile:
             self.compile_s = compile_decoder_layers(self.model.layers, hf_config.hidden_size, config.dtype, config.device)

@@ -1,10 +1,13 @@
 """Linear layers built once at load from an artifact's weights. Each kernel says which weights, dtypes and devices it
 `supports`; `build_linear` takes the first that does, so W8A8, FP8 and GPU kernels plug in by joining KERNELS."""
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from llmc.quant.qtypes import QuantizedWeight
+from llmc.runtime.layers.int4_amx import Int4Matmul, compile_amx
 from llmc.runtime.layers.int4_triton_linear import Int4TritonLinear
 from llmc.runtime.layers.linear_weight import LinearWeight, merge
 from llmc.runtime.layers.quantized_input_linear import QuantizedInputLinear
@@ -47,20 +50,24 @@ def bfloat16_cpu_weight_only(weight: LinearWeight, dtype: torch.dtype, device: s
 class Int4CpuLinear(nn.Module):
     """Symmetric int4 groups on torch's own CPU kernel; the codes are repacked into its layout once, at load.
     With scales in the compute dtype its weights equal `dequantize` bit for bit (the zero term is 0), so only the
-    matmul's summation order differs. Chosen for bfloat16 only: the kernel's float32 path is slower than a dense matmul."""
+    matmul's summation order differs. Chosen for bfloat16 only: the kernel's float32 path is slower than a dense matmul.
+    On a CPU with AMX, `use_amx` puts steps of more than `max_eager_rows` rows on the compiled AMX matmul (int4_amx)."""
 
     GROUP_SIZES = (32, 64, 128, 256)
 
     def __init__(self, weight: LinearWeight, dtype: torch.dtype, device: str):
         super().__init__()
         quantized = weight.weight
-        self.group_size = quantized.args.group_size
         self.out_features, self.in_features = quantized.codes.shape
         unsigned = quantized.codes.to(torch.int32) + 8
-        self.register_buffer("packed", torch.ops.aten._convert_weight_to_int4pack_for_cpu(unsigned, 1))
         scale = quantized.scale.to(dtype).t()  # [in / group_size, out]
-        self.register_buffer("scales_and_zeros", torch.stack([scale, torch.zeros_like(scale)], dim=-1).contiguous())
+        self.matmul = Int4Matmul(
+            torch.ops.aten._convert_weight_to_int4pack_for_cpu(unsigned, 1),
+            torch.stack([scale, torch.zeros_like(scale)], dim=-1).contiguous(), quantized.args.group_size,
+        )
         self.bias = None if weight.bias is None else nn.Parameter(weight.bias.to(dtype), requires_grad=False)
+        self.amx: Callable[[torch.Tensor], torch.Tensor] | None = None
+        self.max_eager_rows = 0
 
     @classmethod
     def supports(cls, weight: LinearWeight, dtype: torch.dtype, device: str) -> bool:
@@ -71,10 +78,22 @@ class Int4CpuLinear(nn.Module):
             and quantized.codes.shape[0] % 8 == 0
         )
 
+    def use_amx(self, max_eager_rows: int) -> bool:
+        """Compile the AMX matmul now; whether it serves (it does not where it disagrees with the eager kernel)."""
+        self.amx = compile_amx(self.matmul, self.matmul.scales_and_zeros.dtype)
+        self.max_eager_rows = max_eager_rows
+        return self.amx is not None
+
+    def _product(self, flat: torch.Tensor) -> torch.Tensor:
+        rows = len(flat)
+        if self.amx is None or rows <= self.max_eager_rows:
+            return self.matmul(flat)
+        if rows == 1:
+            return self.amx(torch.cat([flat, flat]))[:1]
+        return self.amx(flat)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        flat = x.reshape(-1, self.in_features)
-        out = torch.ops.aten._weight_int4pack_mm_for_cpu(flat, self.packed, self.group_size, self.scales_and_zeros)
-        out = out.reshape(*x.shape[:-1], self.out_features)
+        out = self._product(x.reshape(-1, self.in_features)).reshape(*x.shape[:-1], self.out_features)
         return out if self.bias is None else out + self.bias
 
 
