@@ -67,7 +67,9 @@ def first_layer(model: Path, num_samples: int, seq_len: int, seed: int) -> First
 
 
 def build_tiny_model(folder: Path, model_type: str = "llama", num_layers: int = 2, hidden: int = 64, seed: int = 0,
-                     max_position_embeddings: int = 512) -> Path:
+                     max_position_embeddings: int = 512, **config_overrides) -> Path:
+    """A random checkpoint of the family in tiny shapes, from transformers' own config class; config_overrides set or
+    replace any config field (a family's own: experts, windows, soft caps, ...)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     tokenizer = build_tokenizer(folder)
@@ -80,8 +82,7 @@ def build_tiny_model(folder: Path, model_type: str = "llama", num_layers: int = 
         num_attention_heads=4,
         num_key_value_heads=2,
         max_position_embeddings=max_position_embeddings,
-        tie_word_embeddings=False,
-        eos_token_id=tokenizer.eos_token_id,
+        **{"tie_word_embeddings": False, "eos_token_id": tokenizer.eos_token_id, **config_overrides},
     )
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)

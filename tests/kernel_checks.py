@@ -227,7 +227,7 @@ def check_triton_rms_norm_matches_the_module(dtype):
 @parametrize("dtype", [torch.float32, torch.float16])
 def check_triton_rotary_matches_the_module(dtype):
     config = LlamaConfig(hidden_size=192, num_attention_heads=6, num_key_value_heads=2, max_position_embeddings=256)
-    rotary = RotaryEmbedding(config, 32, 256, dtype)
+    rotary = RotaryEmbedding(config, 256, dtype)
     qkv = torch.randn(5, 6 * 32 + 2 * 2 * 32, generator=generator(20)).to(dtype).view(5, 10, 32)
     qk = qkv[:, :8]  # a strided view, as the attention hands queries and keys over
     positions = torch.tensor([0, 3, 17, 100, 255])

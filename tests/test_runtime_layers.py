@@ -155,7 +155,7 @@ def test_norm_and_rotary_give_transformers_bits(dtype):
     assert torch.equal(RMSNorm(reference.weight.data, 1e-5)(hidden), reference(hidden))
 
     config = LlamaConfig(hidden_size=96, num_attention_heads=6, num_key_value_heads=2, max_position_embeddings=64)
-    rotary = RotaryEmbedding(config, 16, 64, dtype)
+    rotary = RotaryEmbedding(config, 64, dtype)
     qkv = torch.randn(7, 10, 16, generator=generator).to(dtype)  # 6 query heads, 2 key heads, 2 value heads
     positions = torch.tensor([0, 1, 5, 17, 30, 31, 63])
     q, k = rotary(positions, qkv[:, :8]).split([6, 2], dim=1)

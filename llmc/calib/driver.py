@@ -19,7 +19,8 @@ from llmc.calib.data import CalibrationSet
 from llmc.calib.memory import activations_fit_device
 from llmc.calib.observers import observing_scales
 from llmc.models.checkpoint import CheckpointReader
-from llmc.models.families import Family
+from llmc.models.families import Family, family_for
+from llmc.models.moe import linearize_experts
 from llmc.quant.kvcache import KV_ATTENTION
 from llmc.quant.layer import COMPUTE_DTYPE, CPU, LayerRunner, LayerWork, Modifier, recording
 from llmc.quant.plan import QuantizationPlan
@@ -55,13 +56,16 @@ class Resumption:
 
 
 def build_skeleton(config) -> nn.Module:
-    """The model with every parameter on the meta device: structure only, no memory."""
+    """The model with every parameter on the meta device: structure only, no memory. Sparse MoE blocks hold their
+    experts as Linears under the checkpoint's names (models/moe.py)."""
     from transformers import AutoModelForCausalLM
 
     config = copy.deepcopy(config)
     config._attn_implementation = KV_ATTENTION  # sdpa, with a hook for the KV-cache observer
     with torch.device("meta"):
-        return AutoModelForCausalLM.from_config(config, dtype=COMPUTE_DTYPE)
+        skeleton = AutoModelForCausalLM.from_config(config, dtype=COMPUTE_DTYPE)
+    linearize_experts(skeleton, family_for(config))
+    return skeleton
 
 
 def decoder_layers(skeleton: nn.Module, family: Family) -> nn.ModuleList:
@@ -73,9 +77,14 @@ def layer_linears(layer: nn.Module, prefix: str) -> dict[str, nn.Linear]:
 
 
 def decoder_linears(skeleton: nn.Module, family: Family) -> dict[str, nn.Linear]:
-    """Every decoder layer's Linears by full name: what the stages may quantize (the LM head stays)."""
-    layers = decoder_layers(skeleton, family)
-    return {name: linear for index, layer in enumerate(layers) for name, linear in layer_linears(layer, f"{family.layers}.{index}").items()}
+    """Every decoder layer's Linears by full name that the stages may quantize: not the LM head, nor the family's
+    full-precision ones (MoE routers)."""
+    linears = {}
+    for index, layer in enumerate(decoder_layers(skeleton, family)):
+        prefix = f"{family.layers}.{index}"
+        linears |= {name: linear for name, linear in layer_linears(layer, prefix).items()
+                    if name.removeprefix(f"{prefix}.") not in family.full_precision}
+    return linears
 
 
 def materialize(layer: nn.Module, reader: CheckpointReader, prefix: str, device: torch.device = CPU) -> None:
@@ -87,7 +96,8 @@ def materialize(layer: nn.Module, reader: CheckpointReader, prefix: str, device:
 
 def embed(reader: CheckpointReader, family: Family, input_ids: torch.Tensor) -> torch.Tensor:
     weight = reader.tensor(f"{family.embed_tokens}.weight").to(COMPUTE_DTYPE)
-    return nn.functional.embedding(input_ids, weight)
+    embedded = nn.functional.embedding(input_ids, weight)
+    return embedded * weight.shape[1] ** 0.5 if family.embedding_scale else embedded
 
 
 def round_as_stored(layer: nn.Module, prefix: str, quantized: dict[str, QuantizedWeight], stored_dtype: torch.dtype) -> None:
@@ -106,6 +116,7 @@ def replay_finished(layers: nn.ModuleList, family: Family, resumed: Resumption, 
         layer, prefix = layers[index], f"{family.layers}.{index}"
         layer.to_empty(device=device)
         layer.load_state_dict({name: tensor.to(device, COMPUTE_DTYPE) for name, tensor in resumed.written_state(prefix).items()})
+        runner.select(index)
         hidden = runner(layer, hidden)
         layer.to("meta")
     return hidden
@@ -151,6 +162,8 @@ def quantize_layerwise(
         prefix = f"{family.layers}.{index}"
         layer = layers[index]
         materialize(layer, reader, prefix, device)
+        if runner:
+            runner.select(index)
         linears = layer_linears(layer, prefix)
         weights = plan.layer_weights(linears)
         reference = None

@@ -102,7 +102,7 @@ class AWQTransform:
         for pair in self.pairs(work):
             block_inputs = torch.cat(self.inputs.pop(pair.block))
             scales = self.search_scales(work, pair, block_inputs)
-            fold_scales(work.layer, pair, scales)
+            fold_scales(work.layer, pair, scales, self.family.norm_offset)
             clip_inputs.append((pair, clip_tokens(work.ranks, block_inputs.reshape(-1, block_inputs.shape[-1])) / scales))
         if self.config.clip_search:
             for pair, inputs in clip_inputs:
@@ -162,14 +162,15 @@ def clip_tokens(ranks: Ranks, tokens: torch.Tensor) -> torch.Tensor:
     return ranks.gather_rows(tokens[mine])
 
 
-def fold_scales(layer: nn.Module, pair: ScalingPair, scales: torch.Tensor) -> None:
-    """Divide the smooth side's outputs by s and multiply the balance Linears' inputs by s."""
+def fold_scales(layer: nn.Module, pair: ScalingPair, scales: torch.Tensor, norm_offset: float = 0.0) -> None:
+    """Divide the smooth side's outputs by s and multiply the balance (and also-scaled) Linears' inputs by s. A norm scaling by
+    (norm_offset + weight) gets the weight that makes its gain (norm_offset + weight) / s."""
     smooth = layer.get_submodule(pair.smooth)
     if isinstance(smooth, nn.Linear):
         smooth.weight.data /= scales.unsqueeze(1)
         if smooth.bias is not None:
             smooth.bias.data /= scales
     else:
-        smooth.weight.data /= scales
-    for name in pair.balance:
+        smooth.weight.data = (smooth.weight.data + norm_offset) / scales - norm_offset
+    for name in pair.balance + pair.also_scaled:
         layer.get_submodule(name).weight.data *= scales

@@ -11,14 +11,33 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from llmc.quant.qtypes import QuantArgs, compute_qparams, dequantize, quantize
 
-KV_ATTENTION = "llmc_kv_sdpa"
+KV_ATTENTION = "llmc_kv_attention"  # no "sdpa" in the name: transformers would refuse it for Gemma 2
 
 
 def kv_attention(module: nn.Module, query, key, value, attention_mask, **kwargs):
     hook = getattr(module, "kv_hook", None)
     if hook is not None:
         key, value = hook(key, value)
+    if kwargs.get("softcap") is not None:
+        return softcapped_attention(query, key, value, attention_mask, kwargs["scaling"], kwargs["softcap"])
     return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+
+
+def softcapped_attention(query, key, value, attention_mask: torch.Tensor | None, scaling: float, softcap: float):
+    """Gemma 2's attention (scores -> softcap * tanh(scores / softcap)), which SDPA cannot compute: [batch, heads,
+    seq, dim] queries over grouped keys and values, causal or under a boolean (visible) or additive mask."""
+    groups = query.shape[1] // key.shape[1]
+    key, value = key.repeat_interleave(groups, dim=1), value.repeat_interleave(groups, dim=1)
+    scores = torch.tanh(query @ key.transpose(2, 3) * scaling / softcap) * softcap
+    if attention_mask is None:
+        query_len, key_len = scores.shape[-2:]
+        attention_mask = torch.ones(query_len, key_len, dtype=torch.bool, device=query.device).tril(key_len - query_len)
+    if attention_mask.dtype == torch.bool:
+        scores = scores.masked_fill(~attention_mask, float("-inf"))
+    else:
+        scores = scores + attention_mask
+    probabilities = scores.float().softmax(-1).to(query.dtype)
+    return (probabilities @ value).transpose(1, 2).contiguous(), None
 
 
 AttentionInterface.register(KV_ATTENTION, kv_attention)

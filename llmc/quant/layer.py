@@ -8,6 +8,7 @@ from typing import Protocol
 import torch
 from torch import nn
 
+from llmc.models.families import rope_layer_types, sliding_windows
 from llmc.quant.qtypes import QuantArgs, QuantizedWeight
 from llmc.quant.ranks import SINGLE, Ranks
 
@@ -35,21 +36,33 @@ def parameters_in(module: nn.Module, dtype: torch.dtype):
 class LayerRunner:
     """Runs one decoder layer (or a module of it) over all calibration samples, in batches, with the model's own
     attention. With a bfloat16 compute dtype the forward passes run in bfloat16 (faster on CPU) and
-    their outputs come back as float32."""
+    their outputs come back as float32. `select(index)` picks the layer whose positions (RoPE by layer type,
+    sliding-window masks) the runs use."""
 
     def __init__(self, skeleton: nn.Module, config, seq_len: int, batch_size: int = 8, compute_dtype=COMPUTE_DTYPE,
                  device: torch.device = CPU):
         rotary = type(skeleton.model.rotary_emb)(config=config).to(device)
         position_ids = torch.arange(seq_len, device=device).unsqueeze(0)
         probe = torch.zeros(1, seq_len, config.hidden_size, dtype=COMPUTE_DTYPE, device=device)
-        self.positions = dict(
-            attention_mask=None,  # sdpa is causal without a mask; samples have no padding
-            position_ids=position_ids,
-            position_embeddings=tuple(part.to(compute_dtype) for part in rotary(probe, position_ids)),
-        )
+
+        def positions(layer_type: str | None, window: int | None) -> dict:
+            embeddings = rotary(probe, position_ids, layer_type) if layer_type else rotary(probe, position_ids)
+            return dict(
+                attention_mask=sliding_mask(seq_len, window, device),
+                position_ids=position_ids,
+                position_embeddings=tuple(part.to(compute_dtype) for part in embeddings),
+            )
+
+        layers = list(zip(rope_layer_types(config), sliding_windows(config)))
+        by_kind = {kind: positions(*kind) for kind in set(layers)}
+        self.layer_positions = [by_kind[kind] for kind in layers]
+        self.positions = self.layer_positions[0]
         self.batch_size = batch_size
         self.compute_dtype = compute_dtype
         self.device = device
+
+    def select(self, index: int) -> None:
+        self.positions = self.layer_positions[index]
 
     @torch.no_grad()
     def __call__(self, module: nn.Module, hidden: torch.Tensor, positional: bool = True) -> torch.Tensor:
@@ -60,6 +73,15 @@ class LayerRunner:
                 out = module(batch, **self.positions) if positional else module(batch)
                 outputs.append((out[0] if isinstance(out, tuple) else out).to(hidden.device, COMPUTE_DTYPE))
         return torch.cat(outputs)
+
+
+def sliding_mask(seq_len: int, window: int | None, device: torch.device) -> torch.Tensor | None:
+    """[1, 1, seq, seq] True where a query sees a key within its window; None (plain causal) when every key fits."""
+    if window is None or window >= seq_len:
+        return None
+    positions = torch.arange(seq_len, device=device)
+    visible = (positions[None, :] <= positions[:, None]) & (positions[None, :] > positions[:, None] - window)
+    return visible[None, None]
 
 
 @dataclass

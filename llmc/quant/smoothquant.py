@@ -59,6 +59,6 @@ class SmoothQuantTransform:
         for pair in scalable_pairs(self.family, work):
             weights = [work.layer.get_submodule(name).weight.data for name in pair.balance]
             scales = smoothing_scales(work.ranks.max(self.input_max.pop(pair.balance[0])), weights, self.config.alpha)
-            fold_scales(work.layer, pair, scales)
+            fold_scales(work.layer, pair, scales, self.family.norm_offset)
         self.input_max = {}
         return {}

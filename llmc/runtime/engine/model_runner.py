@@ -15,11 +15,11 @@ from llmc.runtime.layers.attention import AttentionMetadata, DecodeRows, decode_
 from llmc.runtime.layers.int4_amx import amx_available
 from llmc.runtime.layers.linear import Int4CpuLinear
 from llmc.runtime.layers.sampler import SampledToken, sample, token_logprobs
+from llmc.runtime.models.architecture import architecture_of
 from llmc.runtime.models.llama import LlamaForCausalLM
 from llmc.runtime.models.loader import WeightLoader
 
 logger = logging.getLogger(__name__)
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
 PROMPT_LOGPROBS_ROWS = 256  # prompt rows turned into vocabulary-wide logprobs at once, to bound the memory it takes
 
 
@@ -47,16 +47,14 @@ class ModelRunner:
     decode-only steps replay CUDA graphs captured per batch size."""
 
     def __init__(self, hf_config, weights: WeightLoader, config: EngineConfig):
-        if hf_config.model_type not in SUPPORTED_MODEL_TYPES:
-            raise LlmcError(f"the llmc runtime serves {SUPPORTED_MODEL_TYPES} models, not {hf_config.model_type!r}")
+        arch = architecture_of(hf_config)  # refuses a family the runtime does not serve
         if config.keep_hidden_states and (config.enable_prefix_caching or config.speculative is not None):
             raise LlmcError("keeping hidden states needs every token computed once, in order: no prefix caching, no drafts")
         self.hf_config = hf_config
         self.keep_hidden_states = config.keep_hidden_states
         self.block_size = config.block_size
         self.device = config.device
-        num_layers, num_kv_heads = hf_config.num_hidden_layers, hf_config.num_key_value_heads
-        head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // hf_config.num_attention_heads
+        num_layers, num_kv_heads, head_dim = hf_config.num_hidden_layers, hf_config.num_key_value_heads, arch.head_dim
         kv_dtype = weights.kv_cache_dtype
         block_bytes = 2 * num_layers * config.block_size * num_kv_heads * head_dim * kv_dtype.itemsize
         blocks_per_seq = cdiv(hf_config.max_position_embeddings, config.block_size)
@@ -66,15 +64,15 @@ class ModelRunner:
             hf_config.max_position_embeddings,
             self.num_blocks * config.block_size,  # one sequence must always fit, or preemption could not help
         )
-        if getattr(hf_config, "sliding_window", None) and getattr(hf_config, "use_sliding_window", True):
-            self.max_model_len = min(self.max_model_len, hf_config.sliding_window)
         self.model = LlamaForCausalLM(hf_config, weights, self.max_model_len)
         use_amx = config.amx_int4 and not config.compile and amx_available()
         self.amx_s = amx_int4(self.model, config.max_eager_int4_rows) if use_amx else None
         self.compile_s = None
         if config.compile:
             self.compile_s = compile_decoder_layers(self.model.layers, hf_config.hidden_size, config.dtype, config.device)
-        use_graphs = DecodeGraphs.supported(config.device) and not config.enforce_eager and config.speculative is None
+        # windows and soft caps decode on the torch reference, whose buckets are worked out on the host: no graphs
+        plain_attention = not arch.any_window and arch.attention_softcap is None
+        use_graphs = DecodeGraphs.supported(config.device) and not config.enforce_eager and config.speculative is None and plain_attention
         # with graphs, one block past those the block manager hands out takes the K/V of padding rows
         self.kv_cache = torch.zeros(
             2, num_layers, self.num_blocks + use_graphs, config.block_size, num_kv_heads, head_dim, dtype=kv_dtype,
@@ -84,7 +82,7 @@ class ModelRunner:
             attention.k_cache, attention.v_cache = self.kv_cache[0, index], self.kv_cache[1, index]
         # CUDA decodes on a Triton kernel that reads the block tables itself; elsewhere the torch reference's buckets
         # of decode rows are worked out once a step (_prepare) instead of in every layer
-        self.triton_decode = config.device.startswith("cuda")
+        self.triton_decode = config.device.startswith("cuda") and plain_attention
         if self.triton_decode:
             from llmc.runtime.layers.triton_attention import decode_attention_triton
 

@@ -13,6 +13,20 @@ from llmc.runtime.cdiv import cdiv
 FP8_KV = QuantArgs(num_bits=8, type="float", strategy="channel")
 
 
+@dataclass(frozen=True, slots=True)
+class ScoreShape:
+    """What a layer does to its attention scores beyond scale and causality."""
+
+    window: int | None = None  # each query sees its last `window` keys, itself included (sliding-window attention)
+    softcap: float | None = None  # scores -> softcap * tanh(scores / softcap)
+
+    def capped(self, scores: torch.Tensor) -> torch.Tensor:
+        return scores if self.softcap is None else torch.tanh(scores / self.softcap) * self.softcap
+
+
+PLAIN = ScoreShape()
+
+
 @dataclass(slots=True)
 class DecodeRows:
     """Decode rows of equal padded length, attended in one matmul: each row over its own key positions padded to
@@ -61,13 +75,14 @@ def gather_kv(cache: torch.Tensor, block_table: torch.Tensor, context_len: int) 
 def decode_attention_reference(
     query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
     context_lens: torch.Tensor, scale: float, k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
+    shape: ScoreShape = PLAIN,
 ) -> torch.Tensor:
     """One query token per sequence: [num_seqs, heads, head_dim] -> same shape. Plain matmuls in float32: for a
     single query, torch's CPU flash-attention kernel is twice as slow. Sequences are attended together only with
     those holding as many blocks: padded to another length, the matmuls would sum in another order, and in
     bfloat16 that changes greedy choices with the batch. k_scale / v_scale: [kv_heads], FP8 caches."""
     buckets = decode_buckets(block_tables, context_lens, k_cache.shape[1])
-    return attend_rows(query, k_cache, v_cache, buckets, scale, k_scale, v_scale)
+    return attend_rows(query, k_cache, v_cache, buckets, scale, k_scale, v_scale, shape)
 
 
 def decode_buckets(block_tables: torch.Tensor, context_lens: torch.Tensor, block_size: int) -> list[DecodeRows]:
@@ -83,14 +98,14 @@ def decode_buckets(block_tables: torch.Tensor, context_lens: torch.Tensor, block
 
 def attend_rows(
     query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, buckets: list[DecodeRows], scale: float,
-    k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
+    k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None, shape: ScoreShape = PLAIN,
 ) -> torch.Tensor:
     """Decode rows [rows, heads, head_dim], each bucket in one matmul over its rows' own key positions."""
     k_flat, v_flat = k_cache.flatten(0, 1), v_cache.flatten(0, 1)
     out = torch.empty_like(query)
     for bucket in buckets:
         keys, values = read_rows(k_flat, bucket.slots, k_scale), read_rows(v_flat, bucket.slots, v_scale)
-        out[bucket.rows] = attend_gathered(query[bucket.rows], keys, values, bucket.lengths, scale)
+        out[bucket.rows] = attend_gathered(query[bucket.rows], keys, values, bucket.lengths, scale, shape)
     return out
 
 
@@ -104,16 +119,21 @@ def read_rows(flat_cache: torch.Tensor, slots: torch.Tensor, kv_scale: torch.Ten
 
 
 def attend_gathered(
-    query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, context_lens: torch.Tensor, scale: float
+    query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, context_lens: torch.Tensor, scale: float,
+    shape: ScoreShape = PLAIN,
 ) -> torch.Tensor:
     """query [num_seqs, heads, head_dim] over float32 keys/values [num_seqs, kv_heads, max_len, head_dim], the first
-    context_len of each."""
+    context_len of each; key index i is position i (a draft node's ancestors follow the real tokens in order), so a
+    sliding window keeps the last `window` of them."""
     num_seqs, num_heads, head_dim = query.shape
     num_kv_heads, max_len = keys.shape[1], keys.shape[2]
     grouped = query.view(num_seqs, num_kv_heads, num_heads // num_kv_heads, head_dim).float()
-    scores = grouped @ keys.transpose(-1, -2) * scale
-    padding = torch.arange(max_len, device=query.device)[None, :] >= context_lens[:, None]
-    scores.masked_fill_(padding[:, None, None, :], float("-inf"))
+    scores = shape.capped(grouped @ keys.transpose(-1, -2) * scale)
+    key_positions = torch.arange(max_len, device=query.device)[None, :]
+    masked = key_positions >= context_lens[:, None]
+    if shape.window is not None:
+        masked |= key_positions < context_lens[:, None] - shape.window
+    scores.masked_fill_(masked[:, None, None, :], float("-inf"))
     out = scores.softmax(-1) @ values
     return out.reshape(num_seqs, num_heads, head_dim).to(query.dtype)
 
@@ -121,27 +141,52 @@ def attend_gathered(
 def prefill_attention_reference(
     query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,
     context_len: int, scale: float, k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
+    shape: ScoreShape = PLAIN,
 ) -> torch.Tensor:
-    """A chunk of one sequence's queries against its cached prefix and itself, causally."""
+    """A chunk of one sequence's queries against its cached prefix and itself, causally (within the window)."""
     query_len = query.shape[0]
     keys = read_kv(gather_kv(k_cache, block_table, context_len), k_scale, query.dtype).transpose(0, 1)
     values = read_kv(gather_kv(v_cache, block_table, context_len), v_scale, query.dtype).transpose(0, 1)
-    if query_len == context_len:
+    if shape.softcap is not None:
+        return capped_attention(query.transpose(0, 1), keys, values, context_len, scale, shape).transpose(0, 1)
+    if query_len == context_len and shape.window is None:
         mask, is_causal = None, True
     else:
-        mask = torch.ones(query_len, context_len, dtype=torch.bool, device=query.device).tril(context_len - query_len)
-        is_causal = False
+        mask, is_causal = visible_keys(query_len, context_len, shape.window, query.device), False
     out = F.scaled_dot_product_attention(
         query.transpose(0, 1), keys, values, attn_mask=mask, is_causal=is_causal, scale=scale, enable_gqa=True
     )
     return out.transpose(0, 1)
 
 
+def visible_keys(query_len: int, context_len: int, window: int | None, device: torch.device) -> torch.Tensor:
+    """[query_len, context_len] True where the query (the last query_len positions) sees the key."""
+    query_positions = torch.arange(context_len - query_len, context_len, device=device)[:, None]
+    key_positions = torch.arange(context_len, device=device)[None, :]
+    visible = key_positions <= query_positions
+    return visible if window is None else visible & (key_positions > query_positions - window)
+
+
+def capped_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, context_len: int, scale: float,
+                     shape: ScoreShape) -> torch.Tensor:
+    """Attention with soft-capped scores (SDPA has no soft cap): [heads, q, d] over [kv_heads, context_len, d]."""
+    num_heads, query_len, head_dim = query.shape
+    num_kv_heads = keys.shape[0]
+    grouped = query.reshape(num_kv_heads, num_heads // num_kv_heads * query_len, head_dim).float()
+    scores = shape.capped(grouped @ keys.float().transpose(-1, -2) * scale)
+    scores = scores.view(num_kv_heads, num_heads // num_kv_heads, query_len, context_len)
+    visible = visible_keys(query_len, context_len, shape.window, query.device)
+    scores.masked_fill_(~visible, float("-inf"))
+    out = scores.softmax(-1).view(num_kv_heads, -1, context_len) @ values.float()
+    return out.view(num_heads, query_len, head_dim).to(query.dtype)
+
+
 class PagedAttention(nn.Module):
-    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int):
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float | None = None, shape: ScoreShape = PLAIN):
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
-        self.scale = head_dim**-0.5
+        self.scale = head_dim**-0.5 if scale is None else scale
+        self.shape = shape
         self.k_cache = self.v_cache = torch.empty(0)  # bound by the model runner
         self.k_scale: torch.Tensor | None = None  # [kv_heads] float32 when the cache is FP8
         self.v_scale: torch.Tensor | None = None
@@ -155,11 +200,12 @@ class PagedAttention(nn.Module):
         if metadata.decode_rows is not None:
             outputs.append(attend_rows(
                 q[:num_decodes], self.k_cache, self.v_cache, metadata.decode_rows, self.scale, self.k_scale, self.v_scale,
+                self.shape,
             ))
         elif num_decodes:
             outputs.append(self.decode_attention(
                 q[:num_decodes], self.k_cache, self.v_cache, metadata.block_tables[:num_decodes],
-                metadata.context_lens[:num_decodes], self.scale, self.k_scale, self.v_scale,
+                metadata.context_lens[:num_decodes], self.scale, self.k_scale, self.v_scale, self.shape,
             ))
         start = num_decodes
         for index in range(num_decodes, len(metadata.query_lens)):
@@ -169,6 +215,7 @@ class PagedAttention(nn.Module):
             block_table = metadata.block_tables[index, :num_blocks]
             outputs.append(prefill_attention_reference(
                 q[start:end], self.k_cache, self.v_cache, block_table, context_len, self.scale, self.k_scale, self.v_scale,
+                self.shape,
             ))
             start = end
         return torch.cat(outputs) if len(outputs) > 1 else outputs[0]

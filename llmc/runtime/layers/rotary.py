@@ -1,8 +1,12 @@
+import importlib
+
 import torch
 from torch import nn
-from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
 from llmc.errors import LlmcError
+
+UNSERVED_ROPE_TYPES = ("dynamic",)  # recomputed from the running length: no table serves every step
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -10,32 +14,49 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-second, first), dim=-1)
 
 
-class RotaryEmbedding(nn.Module):
-    """RoPE with the scaling the config asks for (linear, llama3, yarn, ...), tabulated once for every position."""
+def family_rotary_class(config) -> type[nn.Module]:
+    """transformers' own rotary embedding for the config's family: every RoPE variant (llama3, yarn, longrope, per
+    layer type, partial rotation) is then computed as the reference computes it."""
+    model_class_name = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[config.model_type]
+    module = importlib.import_module(f"transformers.models.{config.model_type.removesuffix('_text')}.modeling_"
+                                     f"{config.model_type.removesuffix('_text')}")
+    return getattr(module, model_class_name.removesuffix("ForCausalLM") + "RotaryEmbedding")
 
-    def __init__(self, config, head_dim: int, max_position: int, dtype: torch.dtype):
+
+def rope_types(config) -> list[str]:
+    rope = getattr(config, "rope_parameters", None) or {}
+    per_type = "rope_type" not in rope and all(isinstance(value, dict) for value in rope.values())
+    return [value.get("rope_type", "default") for value in rope.values()] if per_type else [rope.get("rope_type", "default")]
+
+
+class RotaryEmbedding(nn.Module):
+    """RoPE with the scaling the config asks for, tabulated once for every position; with a partial rotary factor
+    only the first dimensions of each head turn."""
+
+    def __init__(self, config, max_position: int, dtype: torch.dtype, layer_type: str | None = None):
         super().__init__()
-        rope = getattr(config, "rope_parameters", None) or {}
-        rope_type = rope.get("rope_type", "default")
-        if rope_type == "default":
-            inv_freq = 1.0 / (rope.get("rope_theta", 10000.0) ** (torch.arange(0, head_dim, 2, dtype=torch.float) / head_dim))
-            scaling = 1.0
-        elif rope_type == "dynamic" or rope_type not in ROPE_INIT_FUNCTIONS:
-            raise LlmcError(f"RoPE type {rope_type!r} is not supported by the llmc runtime")
-        else:
-            inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](config)
-        freqs = torch.arange(max_position, dtype=torch.float)[:, None] * inv_freq.float()
-        angles = torch.cat((freqs, freqs), dim=-1)
-        self.register_buffer("cos", (angles.cos() * scaling).to(dtype), persistent=False)
-        self.register_buffer("sin", (angles.sin() * scaling).to(dtype), persistent=False)
+        unserved = [rope_type for rope_type in rope_types(config) if rope_type in UNSERVED_ROPE_TYPES]
+        if unserved:
+            raise LlmcError(f"RoPE type {unserved[0]!r} is not supported by the llmc runtime")
+        reference = family_rotary_class(config)(config=config)
+        positions = torch.arange(max_position)[None]
+        probe = torch.zeros(1, dtype=torch.float32)
+        with torch.no_grad():
+            cos, sin = reference(probe, positions, layer_type) if layer_type else reference(probe, positions)
+        self.register_buffer("cos", cos[0].to(dtype), persistent=False)  # [positions, rotary_dim]
+        self.register_buffer("sin", sin[0].to(dtype), persistent=False)
 
     def forward(self, positions: torch.Tensor, states: torch.Tensor) -> torch.Tensor:
         """[tokens, heads, head_dim] (any strides along tokens and heads: queries and keys side by side, rotated in one
         pass) rotated by each token's position."""
-        half = states.shape[-1] // 2
+        rotary_dim = self.cos.shape[-1]
+        if rotary_dim < states.shape[-1]:
+            rotated = self.forward(positions, states[..., :rotary_dim])
+            return torch.cat([rotated, states[..., rotary_dim:]], dim=-1)
+        half = rotary_dim // 2
         if states.is_cuda and half & (half - 1) == 0:  # one fused kernel instead of a dozen; Triton tiles by powers of 2
             from llmc.runtime.layers.triton_elementwise import rotary_triton
 
             return rotary_triton(states, positions, self.cos, self.sin)
-        cos, sin = self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)  # [tokens, 1, head_dim]
+        cos, sin = self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)  # [tokens, 1, rotary_dim]
         return states * cos + rotate_half(states) * sin

@@ -6,6 +6,8 @@ import torch
 import triton
 import triton.language as tl
 
+from llmc.runtime.layers.attention import PLAIN, ScoreShape
+
 
 @triton.jit
 def _paged_decode_kernel(
@@ -49,8 +51,11 @@ def _paged_decode_kernel(
 def decode_attention_triton(
     query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
     context_lens: torch.Tensor, scale: float, k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
+    shape: ScoreShape = PLAIN,
 ) -> torch.Tensor:
-    """Same contract as decode_attention_reference: [num_seqs, heads, head_dim] queries, one per sequence."""
+    """Same contract as decode_attention_reference: [num_seqs, heads, head_dim] queries, one per sequence; plain scores
+    only (the model runner keeps windowed and soft-capped layers on the reference)."""
+    assert shape == PLAIN, "the Triton decode kernel has no sliding window or soft cap"
     num_seqs, num_heads, head_dim = query.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
     queries_per_kv = num_heads // num_kv_heads

@@ -1,55 +1,83 @@
-"""One forward for the Llama family (Llama, Mistral, Qwen2), built from config.json and the artifact's tensors."""
+"""One forward for every dense family the runtime serves (Llama, Mistral, Qwen2/3, SmolLM3, Gemma 2/3, Phi-3) and
+the mixture-of-experts ones (Mixtral, Qwen3-MoE: layers/moe.py), built from config.json and the artifact's
+tensors. What sets a family apart (q/k norms, biases, soft-capping, sliding windows, norm offsets, the activation,
+layers without RoPE, fused projections) is an option the config turns on (models/architecture.py)."""
 import torch
 import torch.nn.functional as F
 from torch import nn
+from transformers.activations import ACT2FN
 
-from llmc.runtime.layers.attention import AttentionMetadata, PagedAttention
+from llmc.runtime.layers.attention import AttentionMetadata, PagedAttention, ScoreShape
 from llmc.runtime.layers.linear import DenseLinear
 from llmc.runtime.layers.linear_weight import LinearWeight
+from llmc.runtime.layers.moe import moe_block
 from llmc.runtime.layers.norm import RMSNorm
 from llmc.runtime.layers.rotary import RotaryEmbedding
+from llmc.runtime.models.architecture import Architecture, architecture_of
 from llmc.runtime.models.loader import WeightLoader
 
 
+def rms_norm(weights: WeightLoader, name: str, eps: float, arch: Architecture) -> RMSNorm:
+    return RMSNorm(weights.tensor(f"{name}.weight"), eps, arch.norm_offset)
+
+
 class LlamaAttention(nn.Module):
-    def __init__(self, config, prefix: str, weights: WeightLoader, rotary: RotaryEmbedding):
+    def __init__(self, config, arch: Architecture, index: int, prefix: str, weights: WeightLoader, rotary: RotaryEmbedding | None):
         super().__init__()
         self.num_heads, self.num_kv_heads = config.num_attention_heads, config.num_key_value_heads
-        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.num_heads
-        self.qkv_proj = weights.linear([f"{prefix}.q_proj", f"{prefix}.k_proj", f"{prefix}.v_proj"])
+        self.head_dim = arch.head_dim
+        projections = ["qkv_proj"] if arch.fused_projections else ["q_proj", "k_proj", "v_proj"]
+        self.qkv_proj = weights.linear([f"{prefix}.{name}" for name in projections])
         self.o_proj = weights.linear([f"{prefix}.o_proj"])
-        self.rotary = rotary
-        self.attn = PagedAttention(self.num_heads, self.num_kv_heads, self.head_dim)
+        self.q_norm = self.k_norm = None
+        if f"{prefix}.q_norm.weight" in weights:  # Qwen3, Gemma 3: each head's q and k normed before RoPE
+            self.q_norm = rms_norm(weights, f"{prefix}.q_norm", config.rms_norm_eps, arch)
+            self.k_norm = rms_norm(weights, f"{prefix}.k_norm", config.rms_norm_eps, arch)
+        self.rotary = rotary  # None: a layer without positions (SmolLM3)
+        shape = ScoreShape(arch.sliding_windows[index], arch.attention_softcap)
+        self.attn = PagedAttention(self.num_heads, self.num_kv_heads, self.head_dim, arch.attention_scale, shape)
         kv_scales = weights.kv_scales(prefix, self.num_kv_heads)
         if kv_scales is not None:
             self.attn.k_scale, self.attn.v_scale = kv_scales
 
     def project(self, positions: torch.Tensor, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """q, k (rotated) and v of each token: [tokens, heads, head_dim]."""
+        """q, k (normed and rotated as the family does) and v of each token: [tokens, heads, head_dim]."""
         qkv = self.qkv_proj(hidden).view(-1, self.num_heads + 2 * self.num_kv_heads, self.head_dim)
-        q, k = self.rotary(positions, qkv[:, : self.num_heads + self.num_kv_heads]).split([self.num_heads, self.num_kv_heads], dim=1)
+        query_keys = qkv[:, : self.num_heads + self.num_kv_heads]
+        if self.q_norm is not None:
+            queries, keys = query_keys.split([self.num_heads, self.num_kv_heads], dim=1)
+            query_keys = torch.cat([self.q_norm(queries), self.k_norm(keys)], dim=1)
+        if self.rotary is not None:
+            query_keys = self.rotary(positions, query_keys)
+        q, k = query_keys.split([self.num_heads, self.num_kv_heads], dim=1)
         return q, k, qkv[:, self.num_heads + self.num_kv_heads :]
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, prefix: str, weights: WeightLoader):
+    def __init__(self, prefix: str, weights: WeightLoader, arch: Architecture):
         super().__init__()
-        self.gate_up_proj = weights.linear([f"{prefix}.gate_proj", f"{prefix}.up_proj"])
+        projections = ["gate_up_proj"] if arch.fused_projections else ["gate_proj", "up_proj"]
+        self.gate_up_proj = weights.linear([f"{prefix}.{name}" for name in projections])
         self.down_proj = weights.linear([f"{prefix}.down_proj"])
+        self.act_fn = ACT2FN[arch.activation]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(self.act_fn(gate) * up)
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config, prefix: str, weights: WeightLoader, rotary: RotaryEmbedding):
+    def __init__(self, config, arch: Architecture, index: int, weights: WeightLoader, rotary: RotaryEmbedding | None):
         super().__init__()
-        eps = config.rms_norm_eps
-        self.input_layernorm = RMSNorm(weights.tensor(f"{prefix}.input_layernorm.weight"), eps)
-        self.self_attn = LlamaAttention(config, f"{prefix}.self_attn", weights, rotary)
-        self.post_attention_layernorm = RMSNorm(weights.tensor(f"{prefix}.post_attention_layernorm.weight"), eps)
-        self.mlp = LlamaMLP(f"{prefix}.mlp", weights)
+        prefix, eps = f"model.layers.{index}", config.rms_norm_eps
+        self.input_layernorm = rms_norm(weights, f"{prefix}.input_layernorm", eps, arch)
+        self.self_attn = LlamaAttention(config, arch, index, f"{prefix}.self_attn", weights, rotary)
+        self.post_attention_layernorm = rms_norm(weights, f"{prefix}.post_attention_layernorm", eps, arch)
+        self.sandwich_norms = arch.sandwich_norms
+        if arch.sandwich_norms:  # Gemma: post_attention_layernorm norms the attention's output; these the MLP's input and output
+            self.pre_feedforward_layernorm = rms_norm(weights, f"{prefix}.pre_feedforward_layernorm", eps, arch)
+            self.post_feedforward_layernorm = rms_norm(weights, f"{prefix}.post_feedforward_layernorm", eps, arch)
+        self.mlp = moe_block(config, index, prefix, weights) or LlamaMLP(f"{prefix}.mlp", weights, arch)
 
     # the layer in three pieces: the two around the paged attention have static shapes but the number of tokens, so
     # they are what torch.compile compiles (engine/compiled.py); the attention reads the cache by each step's lengths
@@ -57,7 +85,11 @@ class LlamaDecoderLayer(nn.Module):
         return self.self_attn.project(positions, self.input_layernorm(hidden))
 
     def attention_output(self, hidden: torch.Tensor, attended: torch.Tensor) -> torch.Tensor:
-        hidden = hidden + self.self_attn.o_proj(attended.flatten(1))
+        attention = self.self_attn.o_proj(attended.flatten(1))
+        if self.sandwich_norms:
+            hidden = hidden + self.post_attention_layernorm(attention)
+            return hidden + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(hidden)))
+        hidden = hidden + attention
         return hidden + self.mlp(self.post_attention_layernorm(hidden))
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor, metadata: AttentionMetadata) -> torch.Tensor:
@@ -68,13 +100,17 @@ class LlamaDecoderLayer(nn.Module):
 class LlamaForCausalLM(nn.Module):
     def __init__(self, config, weights: WeightLoader, max_position: int):
         super().__init__()
-        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-        rotary = RotaryEmbedding(config, head_dim, max_position, weights.dtype).to(weights.device)
+        self.arch = arch = architecture_of(config)
+        rotaries = {
+            layer_type: RotaryEmbedding(config, max_position, weights.dtype, layer_type).to(weights.device)
+            for layer_type in dict.fromkeys(arch.layer_types)
+        }
         self.embed_tokens = nn.Parameter(weights.tensor("model.embed_tokens.weight"), requires_grad=False)
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, f"model.layers.{index}", weights, rotary) for index in range(config.num_hidden_layers)
+            LlamaDecoderLayer(config, arch, index, weights, rotaries[arch.layer_types[index]] if arch.uses_rope[index] else None)
+            for index in range(config.num_hidden_layers)
         )
-        self.norm = RMSNorm(weights.tensor("model.norm.weight"), config.rms_norm_eps)
+        self.norm = rms_norm(weights, "model.norm", config.rms_norm_eps, arch)
         if config.tie_word_embeddings:
             self.lm_head = DenseLinear(LinearWeight(self.embed_tokens.data), weights.dtype, weights.device)
         else:
@@ -83,11 +119,19 @@ class LlamaForCausalLM(nn.Module):
     def attention_layers(self) -> list[PagedAttention]:
         return [layer.self_attn.attn for layer in self.layers]
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata) -> torch.Tensor:
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         hidden = F.embedding(input_ids, self.embed_tokens)
+        if self.arch.embedding_scale is not None:  # rounded to the dtype first, as transformers does
+            hidden = hidden * torch.tensor(self.arch.embedding_scale, dtype=hidden.dtype)
+        return hidden
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata) -> torch.Tensor:
+        hidden = self.embed(input_ids)
         for layer in self.layers:
             hidden = layer(positions, hidden, metadata)
         return self.norm(hidden)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden)
+        logits = self.lm_head(hidden)
+        cap = self.arch.final_softcap
+        return logits if cap is None else torch.tanh(logits / cap) * cap

@@ -1,0 +1,154 @@
+"""Each dense family on a tiny random config built from transformers' own config class: quantized by llmc, loaded
+by transformers as it is, folded by AWQ and SmoothQuant without changing the full-precision layer, and served by
+llmc's runtime with transformers' greedy tokens (continuous batching, prefix caching, chunked prefill)."""
+import pytest
+import torch
+from conftest import CORPUS, build_tiny_model, write_recipe
+from transformers import AutoConfig, AutoModelForCausalLM
+
+from llmc.calib.driver import build_skeleton, decoder_layers, embed, layer_linears, materialize
+from llmc.errors import LlmcError
+from llmc.evals.loading import load_model
+from llmc.models.checkpoint import CheckpointReader
+from llmc.models.families import family_for
+from llmc.pipeline import run_quantize
+from llmc.quant.awq import AWQStage, AWQTransform
+from llmc.quant.layer import LayerRunner, LayerWork, recording
+from llmc.quant.qtypes import QuantArgs, fake_quantize
+from llmc.quant.smoothquant import SmoothQuantStage, SmoothQuantTransform
+from llmc.recipe import load_recipe
+from llmc.runtime.engine.config import EngineConfig
+from llmc.runtime.llm_engine import LLMEngine
+from llmc.runtime.sampling_params import SamplingParams
+
+WINDOW = 8  # shorter than the prompts plus 32 tokens, so windows matter
+# per family, the config fields that turn on what sets it apart, in tiny shapes
+FAMILY_CONFIGS = {
+    "qwen3": dict(head_dim=16),
+    "smollm3": dict(num_layers=3, no_rope_layers=[1, 0, 1], pad_token_id=0),
+    "mistral": dict(sliding_window=WINDOW),
+    "gemma2": dict(
+        head_dim=16, query_pre_attn_scalar=24, sliding_window=WINDOW, layer_types=["sliding_attention", "full_attention"],
+        attn_logit_softcapping=2.0, final_logit_softcapping=3.0, tie_word_embeddings=True,
+    ),
+    "gemma3_text": dict(
+        head_dim=16, query_pre_attn_scalar=24, sliding_window=WINDOW, layer_types=["sliding_attention", "full_attention"],
+        tie_word_embeddings=True,
+    ),
+    "phi3": dict(pad_token_id=0, rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5}),
+}
+W4_G16 = "  - type: rtn\n    scheme: W4A16\n    weights: {group_size: 16}\n"
+WORDS = CORPUS.split()
+PROMPTS = [" ".join(WORDS[start : start + length]) for start, length in zip(range(0, 40, 10), [3, 9, 5, 14])]
+MAX_TOKENS = 32
+
+
+@pytest.fixture(scope="module", params=list(FAMILY_CONFIGS))
+def family_model(request, tmp_path_factory):
+    overrides = dict(FAMILY_CONFIGS[request.param])
+    num_layers = overrides.pop("num_layers", 2)
+    folder = tmp_path_factory.mktemp(request.param)
+    return build_tiny_model(folder, request.param, num_layers=num_layers, seed=3, **overrides)
+
+
+@pytest.fixture(scope="module")
+def artifact(family_model, tmp_path_factory):
+    folder = tmp_path_factory.mktemp("artifact")
+    return run_quantize(load_recipe(write_recipe(folder / "recipe.yaml", family_model, folder / "w4a16", W4_G16)))
+
+
+def eager_reference(folder):
+    """transformers' model in eager attention: the one that applies every family's soft caps and windows."""
+    return AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, attn_implementation="eager").eval()
+
+
+@pytest.fixture(scope="module")
+def reference_tokens(artifact) -> list[list[int]]:
+    """transformers' generate, one prompt at a time, on the artifact's dequantized weights, in eager attention."""
+    loaded = load_model(str(artifact))
+    model = loaded.model
+    model.set_attn_implementation("eager")
+    model.generation_config.eos_token_id = None
+    outputs = []
+    for prompt in PROMPTS:
+        ids = torch.tensor([loaded.tokenizer.encode(prompt, add_special_tokens=False)])
+        with torch.no_grad():
+            generated = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=MAX_TOKENS, do_sample=False)
+        outputs.append(generated[0, ids.shape[1] :].tolist())
+    return outputs
+
+
+def run_staggered(llm: LLMEngine, prompts: list[str], params: SamplingParams) -> list[list[int]]:
+    pending, seqs, step = list(prompts), [], 0
+    while pending or llm.has_unfinished():
+        if pending and step % 3 == 0:
+            seqs.append(llm.add_request(pending.pop(0), params))
+        llm.step()
+        step += 1
+    return [seq.output_token_ids for seq in seqs]
+
+
+def test_runtime_greedy_equals_transformers(artifact, reference_tokens):
+    greedy = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    llm = LLMEngine(str(artifact), EngineConfig(dtype=torch.float32))
+    assert run_staggered(llm, PROMPTS, greedy) == reference_tokens
+    # the same prompts again: their prefixes come from the cache, in chunks of 8 tokens
+    chunked = LLMEngine(str(artifact), EngineConfig(dtype=torch.float32, max_num_batched_tokens=8))
+    assert run_staggered(chunked, PROMPTS + PROMPTS, greedy) == reference_tokens + reference_tokens
+    assert chunked.block_manager.num_prefix_hit_tokens > 0
+
+
+def test_transformers_loads_the_artifact_as_llmc_fake_quantizes_it(family_model, artifact):
+    reference = eager_reference(family_model)
+    linears = [name for name, module in reference.named_modules() if isinstance(module, torch.nn.Linear) and name != "lm_head"]
+    for name in linears:
+        linear = reference.get_submodule(name)
+        linear.weight.data = fake_quantize(linear.weight.data, QuantArgs(num_bits=4, group_size=16))
+    served = AutoModelForCausalLM.from_pretrained(artifact, dtype=torch.float32, attn_implementation="eager").eval()
+    ids = torch.randint(0, reference.config.vocab_size, (2, 20), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        torch.testing.assert_close(served(ids).logits, reference(ids).logits, atol=1e-5, rtol=1e-5)
+
+
+def first_layer(folder):
+    config = AutoConfig.from_pretrained(folder)
+    family = family_for(config)
+    skeleton = build_skeleton(config)
+    layer = decoder_layers(skeleton, family)[0]
+    reader = CheckpointReader(folder)
+    materialize(layer, reader, f"{family.layers}.0")
+    input_ids = torch.randint(0, config.vocab_size, (6, 16), generator=torch.Generator().manual_seed(2))
+    hidden = embed(reader, family, input_ids)
+    hidden[..., [5, 17, 42]] *= 20  # a few channels with large activations, as in real LLMs
+    runner = LayerRunner(skeleton, config, seq_len=16, batch_size=3)
+    runner.select(0)
+    return family, layer, hidden, runner
+
+
+@pytest.mark.parametrize("transform", ["awq", "smoothquant"])
+def test_scaling_pairs_fold_without_changing_the_full_precision_layer(family_model, transform):
+    family, layer, hidden, runner = first_layer(family_model)
+    before = runner(layer, hidden)
+    linears = layer_linears(layer, "model.layers.0")
+    if transform == "awq":
+        stage = AWQTransform(AWQStage(type="awq"), family)
+    else:
+        stage = SmoothQuantTransform(SmoothQuantStage(type="smoothquant"), family)
+    work = LayerWork(layer, "model.layers.0", linears, {name: QuantArgs(num_bits=4, group_size=16) for name in linears}, runner)
+    observed = stage.observed_modules(work)
+    assert observed  # the family's pairs are found in the layer
+    norms_before = {name: module.weight.detach().clone() for name, module in layer.named_modules() if name.endswith("layernorm")}
+    with recording(observed, stage.record):
+        runner(layer, hidden)
+    stage.process(work)
+    changed = [name for name, weight in norms_before.items() if not torch.equal(layer.get_submodule(name).weight, weight)]
+    assert changed  # something was scaled
+    torch.testing.assert_close(runner(layer, hidden), before, rtol=1e-4, atol=1e-4)
+
+
+def test_an_unsupported_family_is_refused_at_the_start(tmp_path):
+    folder = build_tiny_model(tmp_path / "model", "gpt_neox")
+    recipe = load_recipe(write_recipe(tmp_path / "recipe.yaml", folder, tmp_path / "out", W4_G16))
+    with pytest.raises(LlmcError, match="gpt_neox.*supported: llama.*gemma2.*phi3"):
+        run_quantize(recipe)
+    assert not (tmp_path / "out").exists()
