@@ -152,3 +152,43 @@ def test_an_unsupported_family_is_refused_at_the_start(tmp_path):
     with pytest.raises(LlmcError, match="gpt_neox.*supported: llama.*gemma2.*phi3"):
         run_quantize(recipe)
     assert not (tmp_path / "out").exists()
+
+
+@pytest.fixture(scope="module")
+def windowed_artifact(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("mistral-window")
+    model = build_tiny_model(folder / "model", "mistral", seed=5, sliding_window=16)
+    return run_quantize(load_recipe(write_recipe(folder / "recipe.yaml", model, folder / "w4a16", W4_G16)))
+
+
+def test_blocks_out_of_every_layers_window_are_given_back(windowed_artifact):
+    """A long Mistral generation holds no more blocks than its window needs, and still decodes transformers' tokens."""
+    loaded = load_model(str(windowed_artifact))
+    loaded.model.set_attn_implementation("eager")
+    prompt_ids = loaded.tokenizer.encode(PROMPTS[3], add_special_tokens=False)
+    with torch.no_grad():
+        ids = torch.tensor([prompt_ids])
+        expected = loaded.model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=120, do_sample=False,
+                                         eos_token_id=None)[0, len(prompt_ids) :].tolist()
+    block_size = 4
+    llm = LLMEngine(str(windowed_artifact), EngineConfig(dtype=torch.float32, block_size=block_size))
+    seq = llm.add_request(prompt_ids, SamplingParams(temperature=0, max_tokens=120, ignore_eos=True))
+    most_held = 0
+    while llm.has_unfinished():
+        llm.step()
+        most_held = max(most_held, len(seq.block_table) - seq.num_released_blocks) if seq.block_table else most_held
+    assert seq.output_token_ids == expected
+    assert most_held <= 16 // block_size + 2  # the window, the block being written, one of slack for the step's tokens
+    assert len(prompt_ids) + 120 > 4 * 16  # without the release it would have held far more
+    assert llm.block_manager.num_used_blocks == 0
+
+
+def test_prefix_caching_with_windows_gives_the_uncached_tokens(windowed_artifact):
+    shared = " ".join(WORDS[:40])  # longer than the window: its first blocks are given back before the next request
+    prompts = [f"{shared} {prompt}" for prompt in PROMPTS]
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    cached = LLMEngine(str(windowed_artifact), EngineConfig(dtype=torch.float32, block_size=4))
+    uncached = LLMEngine(str(windowed_artifact), EngineConfig(dtype=torch.float32, block_size=4, enable_prefix_caching=False))
+    with_cache = [cached.generate([prompt], params)[0]["token_ids"] for prompt in prompts]
+    assert cached.block_manager.num_prefix_hit_tokens >= 3 * 32
+    assert with_cache == [output["token_ids"] for output in uncached.generate(prompts, params)]

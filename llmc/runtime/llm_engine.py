@@ -51,7 +51,8 @@ class LLMEngine:
         if config.speculative is not None and runner.speculator is None:
             runner.speculator = SpeculativeDecoder(config.speculative, runner, config)
         self.max_model_len = runner.max_model_len
-        self.block_manager = BlockManager(runner.num_blocks, config.block_size, config.enable_prefix_caching)
+        self.block_manager = BlockManager(runner.num_blocks, config.block_size, config.enable_prefix_caching,
+                                          runner.model.arch.min_window)
         self.scheduler = Scheduler(config, self.block_manager)
         self.sequences: dict[str, Sequence] = {}
         self.checks = RequestChecks(tokenizer, runner.hf_config.vocab_size, self.max_model_len, eos_ids)
@@ -101,6 +102,7 @@ class LLMEngine:
             if tokens:  # K/V past the accepted drafts is stale, and their slots are given back
                 seq.num_computed_tokens = min(seq.num_computed_tokens, len(seq) + len(tokens) - 1)
             self.block_manager.cache_full_blocks(seq)
+            self.block_manager.release_out_of_window(seq)
             if tokens and seq.params.max_tokens == 0:
                 outputs.append(self._finish_at_prompt(seq))
                 continue

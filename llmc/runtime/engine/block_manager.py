@@ -14,11 +14,14 @@ class Block:
 
 
 class BlockManager:
-    """Fixed-size KV blocks with reference counts; full blocks are found again by a hash chained over the prefix."""
+    """Fixed-size KV blocks with reference counts; full blocks are found again by a hash chained over the prefix.
+    sliding_window: when every layer attends within it, blocks that fell out of it are given back while the sequence
+    runs (release_out_of_window); their block table entries stay, read by no query."""
 
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True, sliding_window: int | None = None):
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
+        self.sliding_window = sliding_window
         self.blocks = [Block(block_id) for block_id in range(num_blocks)]
         # the front is reused first: blocks holding nothing, then cached blocks least recently freed first
         self.free_block_ids: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
@@ -88,10 +91,23 @@ class BlockManager:
 
     def free(self, seq: Sequence) -> None:
         # tail blocks are the least likely to be shared, so they go back first and are evicted first
-        for block_id in reversed(seq.block_table):
+        for block_id in reversed(seq.block_table[seq.num_released_blocks :]):
             self._release(block_id)
         seq.block_table = []
-        seq.num_computed_tokens = seq.num_cached_tokens = 0
+        seq.num_computed_tokens = seq.num_cached_tokens = seq.num_released_blocks = 0
+        seq.released_prefix_hash = None
+
+    def release_out_of_window(self, seq: Sequence) -> None:
+        """Give back the leading blocks no later query sees: a query at position q reads keys after q - window, and
+        the next query is at num_computed_tokens at least. Call after cache_full_blocks (their hashes are kept)."""
+        if self.sliding_window is None:
+            return
+        first_visible = min(seq.num_computed_tokens, len(seq)) - self.sliding_window + 1
+        while first_visible >= (seq.num_released_blocks + 1) * self.block_size:
+            block = self.blocks[seq.block_table[seq.num_released_blocks]]
+            seq.released_prefix_hash = block.hash
+            self._release(block.block_id)
+            seq.num_released_blocks += 1
 
     def trim(self, seq: Sequence) -> None:
         """Give back the blocks past the sequence's tokens: they held only rejected draft tokens."""
@@ -110,8 +126,8 @@ class BlockManager:
         """Register the blocks that became full of computed tokens, so later requests can reuse them."""
         if not self.enable_prefix_caching:
             return
-        parent_hash = None
-        for index in range(min(seq.num_computed_tokens, len(seq)) // self.block_size):
+        parent_hash = seq.released_prefix_hash
+        for index in range(seq.num_released_blocks, min(seq.num_computed_tokens, len(seq)) // self.block_size):
             block = self.blocks[seq.block_table[index]]
             if block.hash is None:
                 block.token_ids = tuple(seq.block(index))

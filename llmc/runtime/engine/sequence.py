@@ -30,6 +30,8 @@ class Sequence:
         self.num_scheduled_tokens = 0  # tokens computed in the current step
         self.block_size = block_size
         self.block_table: list[int] = []
+        self.num_released_blocks = 0  # leading block table entries out of every layer's window, given back
+        self.released_prefix_hash: int | None = None  # the prefix-cache hash of the last of them
         self.draft = DraftTree()  # proposed continuations, verified (and mostly replaced) by the next step
         self.params = params
         self.generator = torch.Generator().manual_seed(params.seed) if params.seed is not None else None
