@@ -192,3 +192,24 @@ def test_prefix_caching_with_windows_gives_the_uncached_tokens(windowed_artifact
     with_cache = [cached.generate([prompt], params)[0]["token_ids"] for prompt in prompts]
     assert cached.block_manager.num_prefix_hit_tokens >= 3 * 32
     assert with_cache == [output["token_ids"] for output in uncached.generate(prompts, params)]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("method", ["medusa", "eagle"])
+def test_draft_heads_train_on_a_gemma_artifact_and_speculation_keeps_its_greedy_tokens(tmp_path, calib_file, monkeypatch, method):
+    """Gemma 2 sets the most options apart from Llama (scaled embeddings, soft caps, windows): drafts are trained on its
+    quantized model through the runtime and speculative decoding still writes its greedy tokens."""
+    monkeypatch.setenv("LLMC_HOME", str(tmp_path / "home"))
+    overrides = dict(FAMILY_CONFIGS["gemma2"])
+    model = build_tiny_model(tmp_path / "model", "gemma2", seed=3, **overrides)
+    recipe = write_recipe(tmp_path / "r.yaml", model, tmp_path / "out", W4_G16, calib_file)
+    recipe.write_text(recipe.read_text() + f"draft:\n  method: {method}\n  prompts: [{calib_file}]\n"
+                      "  num_prompts: 4\n  max_tokens: 24\n  num_heads: 2\n  steps: 20\n  batch_size: 32\n")
+    artifact = run_quantize(load_recipe(recipe, ["calibration.num_samples=2"]))
+    assert (artifact / "draft" / "heads.safetensors").is_file()
+    greedy = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+    plain = LLMEngine(str(artifact), EngineConfig(dtype=torch.float32)).generate(PROMPTS, greedy)
+    drafting = LLMEngine(str(artifact), EngineConfig(dtype=torch.float32, speculative=artifact / "draft", speculative_min_confidence=0.0))
+    assert [output["token_ids"] for output in drafting.generate(PROMPTS, greedy)] == [output["token_ids"] for output in plain]
+    stats = drafting.runner.speculator.stats
+    assert stats.num_draft_tokens > 0 and stats.num_accepted_tokens > 0
