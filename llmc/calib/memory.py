@@ -6,12 +6,14 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 from llmc.errors import LlmcError
+from llmc.models.families import family_for
 
 GIB = 2**30
 FLOAT32 = 4
 PROCESS_BYTES = 0.55 * GIB  # python, torch, transformers and llmc imported, before any tensor
 RUNNER_BATCH = 8  # samples per forward (LayerRunner's default)
 GPTQ_SOLVE_COPIES = 7  # square float32 matrices alive at once while solving the widest input: sums, H, H + λI, L, L⁻¹, U, I
+GPTQ_STACKED_COPIES = 3  # the gate/up weights stacked for one solve, its float32 working copy, that copy in act-order
 # a layer's inputs, its reference outputs, and its new outputs twice while their batches are concatenated
 ACTIVATION_COPIES = 4
 
@@ -23,17 +25,23 @@ class LayerShapes:
     attention_width: int  # num_heads x head_dim
     kv_width: int  # num_kv_heads x head_dim
     vocab: int
+    experts: int = 1  # a MoE layer's experts (intermediate: one expert's width), each of which calibration runs on every token
 
     @classmethod
     def of(cls, config) -> "LayerShapes":
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-        return cls(config.hidden_size, config.intermediate_size, config.num_attention_heads * head_dim,
-                   config.num_key_value_heads * head_dim, config.vocab_size)
+        shapes = cls(config.hidden_size, config.intermediate_size, config.num_attention_heads * head_dim,
+                     config.num_key_value_heads * head_dim, config.vocab_size)
+        moe = family_for(config).moe
+        if moe is not None and moe.num_experts(config) > 0:  # sparse layers outweigh a Qwen3-MoE's dense ones
+            shapes.intermediate, shapes.experts = moe.expert_width(config), moe.num_experts(config)
+        return shapes
 
     @property
     def layer_params(self) -> int:
         attention = self.hidden * (self.attention_width + 2 * self.kv_width) + self.attention_width * self.hidden
-        return attention + 3 * self.hidden * self.intermediate
+        router = self.hidden * self.experts if self.experts > 1 else 0
+        return attention + 3 * self.hidden * self.intermediate * self.experts + router
 
 
 @dataclass
@@ -69,7 +77,9 @@ def estimate_memory(config, stage_types: list[str], num_samples: int, seq_len: i
     parts = {
         "layer weights": shapes.layer_params * FLOAT32,
         "activations": ACTIVATION_COPIES * tokens * shapes.hidden * FLOAT32,
-        "batch intermediates": 3 * min(RUNNER_BATCH, num_samples) * seq_len * shapes.intermediate * FLOAT32 if tokens else 0,
+        # gate, up and their product; a MoE layer keeps each expert's product until its down projection runs
+        "batch intermediates": (shapes.experts + 2) * min(RUNNER_BATCH, num_samples) * seq_len * shapes.intermediate * FLOAT32
+        if tokens else 0,
         "statistics": _statistics_bytes(shapes, stage_types, tokens),
     }
     stored = shapes.vocab * shapes.hidden * checkpoint_bytes(config)
@@ -94,10 +104,13 @@ def _statistics_bytes(shapes: LayerShapes, stage_types: list[str], tokens: int) 
     widest = max(shapes.hidden, shapes.attention_width, shapes.intermediate)
     total = 0
     if "gptq" in stage_types:
-        hessians = 2 * shapes.hidden**2 + shapes.attention_width**2  # q/k/v share one, gate/up another, o its own
-        total += hessians * FLOAT32 + GPTQ_SOLVE_COPIES * widest**2 * FLOAT32
+        # q/k/v share one, every expert's gate/up another, o its own, and every expert's down but the solved one
+        hessians = 2 * shapes.hidden**2 + shapes.attention_width**2 + (shapes.experts - 1) * shapes.intermediate**2
+        # a MoE layer's gate/up of every expert solve as one stacked weight (a dense layer's stack is small beside its solve)
+        stacked_gate_up = GPTQ_STACKED_COPIES * 2 * shapes.experts * shapes.intermediate * shapes.hidden if shapes.experts > 1 else 0
+        total += (hessians + GPTQ_SOLVE_COPIES * widest**2 + stacked_gate_up) * FLOAT32
     if "awq" in stage_types:  # every block's inputs, kept until the layer's scales are searched
-        total += tokens * (2 * shapes.hidden + shapes.attention_width + shapes.intermediate) * FLOAT32
+        total += tokens * (2 * shapes.hidden + shapes.attention_width + shapes.experts * shapes.intermediate) * FLOAT32
     return total
 
 

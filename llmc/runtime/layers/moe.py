@@ -1,4 +1,4 @@
-"""The mixture-of-experts MLP (Mixtral, Qwen3-MoE): the router (dense, never quantized) picks each token's top-k
+"""The mixture-of-experts MLP (Mixtral, Qwen3-MoE): the router (dense: llmc keeps it unquantized) picks each token's top-k
 experts, tokens are grouped by expert, each expert runs its stacked gate/up and its down Linear (on the kernels the
 loader picks for their format) over its own tokens only, and the weighted outputs are summed back per token in
 expert order, as transformers sums them."""
@@ -41,6 +41,9 @@ class SparseMoeBlock(nn.Module):
             return self.every_expert(x, weights, experts)
         return self.grouped(x, weights, experts)
 
+    # under torch.compile (--compile) this runs eagerly: its shapes come from the routing, and dynamo would
+    # recompile the loop for every new count of tokens per expert
+    @torch.compiler.disable
     def grouped(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
         """The (token, expert) choices sorted by expert; each expert gathers its tokens, and its weighted outputs are
         added back at their rows."""
