@@ -6,6 +6,10 @@ Prints one table per artifact with llmc's ratio to vLLM's better setting.
 
     python benchmarks/vs_vllm.py --vllm .vllm-venv [--formats w4a16 w8a8 fp8] [--concurrency 1 16 64]
     (the venv: benchmarks/vllm_venv.sh; artifacts are quantized once into artifacts/ with the shipped recipes)
+    python benchmarks/vs_vllm.py --vllm .vllm-venv --random-shape qwen3-8b qwen3-30b-a3b [--layers 2]
+
+--random-shape serves, instead of SmolLM2, random weights in a real model's layer shapes (a few layers; SmolLM2's
+tokenizer and vocabulary, so the LM head is SmolLM2's size), built here and quantized W4A16 (RTN, g128).
 """
 import argparse
 import asyncio
@@ -26,6 +30,15 @@ ROOT = Path(__file__).resolve().parents[1]
 MT_BENCH = ROOT.parent / "shared" / "data" / "mt_bench" / "question.jsonl"
 RECIPES = {"w4a16": "smollm2-w4a16-rtn.yaml", "w8a8": "smollm2-w8a8-smoothquant.yaml", "fp8": "smollm2-fp8-dynamic.yaml"}
 PROMPTS_PER_CONCURRENCY = {1: 6, 16: 32, 64: 128}
+# real models' layer shapes (their config.json), for --random-shape
+RANDOM_SHAPES = {
+    "qwen3-8b": dict(model_type="qwen3", hidden_size=4096, intermediate_size=12288, num_attention_heads=32, num_key_value_heads=8,
+                     head_dim=128, rope_theta=1000000.0),
+    "qwen3-30b-a3b": dict(model_type="qwen3_moe", hidden_size=2048, intermediate_size=6144, num_attention_heads=32,
+                          num_key_value_heads=4, head_dim=128, num_experts=128, num_experts_per_tok=8, moe_intermediate_size=768,
+                          norm_topk_prob=True, rope_theta=1000000.0),
+}
+RANDOM_W4A16 = "stages:\n  - type: rtn\n    scheme: W4A16\n    weights: {group_size: 128}\n"
 MODEL_NAME = "model"  # what both servers are told to call the artifact
 KV_CACHE_GIB = 1  # vLLM's CPU KV cache; without it vLLM reserves 92% of the NUMA node's memory and may refuse to start
 
@@ -36,6 +49,35 @@ def artifact(format_name: str) -> Path:
     if not (output / "llmc.json").is_file():
         subprocess.run([sys.executable, "-m", "llmc", "quantize", str(ROOT / "recipes" / RECIPES[format_name]),
                         "--output", str(output), "--overwrite"], check=True)
+    return output
+
+
+def random_shape_artifact(shape: str, num_layers: int) -> Path:
+    """Random bfloat16 weights in the shape's layers (std 0.02, as transformers initialises them), with SmolLM2's
+    tokenizer, quantized W4A16 once into artifacts/bench-random-SHAPE-NL."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    from llmc.models.spec import resolve_model
+
+    output = ROOT / "artifacts" / f"bench-random-{shape}-{num_layers}l"
+    if (output / "llmc.json").is_file():
+        return output
+    checkpoint = output.with_name(output.name + "-checkpoint")
+    tokenizer = AutoTokenizer.from_pretrained(resolve_model("smollm2-135m"))
+    fields = dict(RANDOM_SHAPES[shape])
+    config = AutoConfig.for_model(fields.pop("model_type"), vocab_size=len(tokenizer), num_hidden_layers=num_layers,
+                                  max_position_embeddings=4096, tie_word_embeddings=True, eos_token_id=tokenizer.eos_token_id,
+                                  **fields)
+    torch.manual_seed(0)
+    with torch.device("cpu"):
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+    model.save_pretrained(checkpoint)
+    tokenizer.save_pretrained(checkpoint)
+    del model
+    recipe = output.with_name(output.name + ".yaml")
+    recipe.write_text(f"model: {checkpoint}\noutput: {output}\n{RANDOM_W4A16}")
+    subprocess.run([sys.executable, "-m", "llmc", "quantize", str(recipe), "--overwrite"], check=True)
     return output
 
 
@@ -143,6 +185,9 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--vllm", type=Path, default=ROOT / ".vllm-venv", help="venv with vLLM (benchmarks/vllm_venv.sh)")
     parser.add_argument("--formats", nargs="+", choices=list(RECIPES), default=list(RECIPES))
+    parser.add_argument("--random-shape", nargs="+", choices=list(RANDOM_SHAPES), default=[],
+                        help="Serve random W4A16 weights in these models' shapes instead of the SmolLM2 formats.")
+    parser.add_argument("--layers", type=int, default=2, help="Decoder layers of a --random-shape model.")
     parser.add_argument("--concurrency", nargs="+", type=int, default=[1, 16, 64])
     parser.add_argument("--servers", nargs="+", choices=["llmc", "vllm", "vllm-all-cores"], default=["llmc", "vllm", "vllm-all-cores"])
     parser.add_argument("--max-tokens", type=int, default=128)
@@ -154,8 +199,11 @@ def main() -> None:
         sys.exit(f"no vLLM in {args.vllm}: build it with benchmarks/vllm_venv.sh {args.vllm}")
     prompts = [json.loads(line)["turns"][0] for line in MT_BENCH.read_text().splitlines() if line.strip()]
     everything = {}
-    for format_name in args.formats:
-        model = artifact(format_name)
+    models = {f"random {shape} x{args.layers} layers": lambda shape=shape: random_shape_artifact(shape, args.layers)
+              for shape in args.random_shape}
+    models = models or {format_name: lambda format_name=format_name: artifact(format_name) for format_name in args.formats}
+    for format_name, build in models.items():
+        model = build()
         print(f"{format_name}: {model}", flush=True)
         results = {kind: measure_server(kind, model, args.port, args.vllm, args.llmc_args.split(), prompts, args.max_tokens,
                                         args.concurrency)

@@ -8,11 +8,10 @@ import pytest
 import torch
 from conftest import CORPUS, build_tiny_model, first_layer, write_recipe
 from transformers import AutoConfig, AutoModelForCausalLM
-from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
-from llmc.artifact.reader import dense_state_dict
 from llmc.calib.driver import decoder_linears, layer_linears
 from llmc.calib.memory import LayerShapes
+from llmc.evals.loading import load_model
 from llmc.models.checkpoint import CheckpointReader
 from llmc.models.families import family_for
 from llmc.pipeline import run_quantize
@@ -208,18 +207,30 @@ def fake_quantized(model: torch.nn.Module, args: QuantArgs) -> torch.nn.Module:
 @pytest.mark.parametrize("name", ["mixtral", "qwen3_moe"])
 def test_transformers_loads_the_artifact_as_llmc_fake_quantizes_it(model_folder, artifact, name):
     """transformers decompresses the per-expert tensors itself (compressed-tensors) and fuses them into its experts;
-    so do llmc's dequantized weights put through transformers' checkpoint conversion (the route load_model could take)."""
+    llmc's evals load the dequantized weights through transformers' checkpoint conversion to the same logits."""
     folder = artifact(name, "rtn")
     reference = fake_quantized(transformers_model(model_folder(name)), W4_G32)
-    config = AutoConfig.from_pretrained(folder)
-    del config.quantization_config
-    dequantized = MODEL_FOR_CAUSAL_LM_MAPPING[type(config)].from_pretrained(
-        None, config=config, state_dict=dense_state_dict(folder, torch.float32), dtype=torch.float32).eval()
-    ids = torch.randint(0, config.vocab_size, (2, 24), generator=torch.Generator().manual_seed(0))
+    ids = torch.randint(0, reference.config.vocab_size, (2, 24), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         expected = reference(ids).logits
         torch.testing.assert_close(transformers_model(folder)(ids).logits, expected, rtol=1e-5, atol=1e-5)
-        torch.testing.assert_close(dequantized(ids).logits, expected, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(load_model(str(folder)).model(ids).logits, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_evals_emulate_quantized_expert_inputs_as_the_runtime_computes_them(tmp_path, model_folder):
+    """W8A8 experts: llmc's evals give each expert its own Linear to fake-quantize its inputs, and agree with the
+    runtime's int8 matmuls."""
+    stage = "  - type: rtn\n    scheme: W8A8\n"
+    folder = run_quantize(load_recipe(write_recipe(tmp_path / "r.yaml", model_folder("mixtral"), tmp_path / "w8a8", stage)))
+    loaded = load_model(str(folder)).model
+    hooked = [name for name, module in loaded.named_modules() if module._forward_pre_hooks]
+    assert "model.layers.0.block_sparse_moe.experts.3.w2" in hooked
+    loaded.generation_config.eos_token_id = None
+    ids = torch.randint(0, loaded.config.vocab_size, (1, 12), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        expected = loaded.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=8, do_sample=False)[0, 12:].tolist()
+    llm = LLMEngine(str(folder), EngineConfig(dtype=torch.float32))
+    assert llm.generate([ids[0].tolist()], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))[0]["token_ids"] == expected
 
 
 def runtime_block(folder: Path, dtype: torch.dtype, layer: int = 0) -> SparseMoeBlock | None:

@@ -34,6 +34,19 @@ W4A16_G32 = "  - type: rtn\n    scheme: W4A16\n    weights: {group_size: 32}\n"
 PROMPTS = [[5, 17, 42, 99, 3, 250], [7, 8, 9, 10, 11, 12, 13, 14, 15], [300, 200, 100], list(range(1, 21))]
 MAX_TOKENS = 16
 DTYPE = "bfloat16" if native_bfloat16("cpu") else "float32"
+MOE_KERNEL_MISSING = "No WNA16 MoE backend supports the deployment configuration"
+
+
+class VllmMoeKernelMissing(Exception):
+    """vLLM's CPU build has no W4A16 MoE kernel for this CPU (a limit of vLLM, not of the artifact)."""
+
+
+# vLLM 0.32.0's CPU backends for W4A16 experts: CPUExpertsInt4 (fused_moe/experts/cpu_moe.py) runs only where
+# torch.cpu._is_amx_tile_supported(), ZEN_CPU needs zentorch, and the emulation backend refuses the CPU device
+NO_CPU_MOE = pytest.mark.xfail(
+    not torch.cpu._is_amx_tile_supported(), raises=VllmMoeKernelMissing, strict=True,
+    reason="vLLM 0.32.0's only CPU kernel for W4A16 experts (CPUExpertsInt4) needs AMX; this CPU has none",
+)
 
 
 def decisive_checkpoint(folder: Path, family: str) -> Path:
@@ -71,9 +84,12 @@ def vllm_tokens(artifacts, vllm_python, tmp_path_factory) -> dict[str, dict]:  #
     return {Path(result["artifact"]).parent.name: result for result in results}
 
 
-@pytest.mark.parametrize("family", list(FAMILY_CONFIGS))
+@pytest.mark.parametrize("family", [pytest.param(family, marks=NO_CPU_MOE if family in ("mixtral", "qwen3_moe") else ())
+                                    for family in FAMILY_CONFIGS])
 def test_vllm_loads_the_artifact_and_agrees_on_greedy_tokens(family, artifacts, vllm_tokens):
     theirs = vllm_tokens[artifacts[family].parent.name]
+    if MOE_KERNEL_MISSING in theirs.get("error", ""):
+        raise VllmMoeKernelMissing(theirs["error"])
     assert "error" not in theirs, f"vLLM could not run llmc's {family} artifact: {theirs.get('error')}"
     engine = LLMEngine(str(artifacts[family]), EngineConfig(dtype=getattr(torch, DTYPE), max_model_len=256, kv_cache_gib=0.1))
     ours = [output["token_ids"] for output in engine.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=MAX_TOKENS,
