@@ -91,6 +91,11 @@ class RandomWeights:
         self.hidden = hidden
         self.group_size = math.gcd(128, hidden, inter)  # W4A16: the largest group up to 128 that divides every width
 
+    def __contains__(self, name: str) -> bool:
+        """Llama's tensors only (no q/k norms, no biases)."""
+        module = name.removesuffix(".weight").split(".")[-1]
+        return name.endswith(".weight") and (module in self.shapes or module.endswith("layernorm") or module == "norm")
+
     def tensor(self, name: str) -> torch.Tensor:
         if name.endswith("norm.weight"):
             return torch.ones(self.hidden, dtype=self.dtype, device=self.device)

@@ -1,5 +1,6 @@
 """Data-parallel calibration: `llmc quantize --nproc 2` runs two gloo processes on the CPU, each on half the
-samples, and writes the artifact one process writes, up to the order in which float32 statistics are summed."""
+samples, and writes the artifact one process writes, up to the order in which float32 statistics are summed (and the
+few codes and GPTQ scales that order flips)."""
 import json
 import subprocess
 import sys
@@ -57,6 +58,11 @@ def test_two_gloo_processes_write_the_one_process_artifact(tmp_path, tiny_llama,
     for name, tensor in expected.items():
         if tensor.dtype in CODES:
             assert (unpacked(tensor) == unpacked(got[name])).float().mean() >= 0.995, name
+        elif name.endswith(".weight_scale"):
+            # a later layer's GPTQ scales follow weights its error feedback moved, from a Hessian summed in another order
+            # over inputs that already carry the earlier layers' flipped codes: a few groups land on another scale
+            close = torch.isclose(got[name], tensor, rtol=1e-3, atol=1e-5)
+            assert close.float().mean() >= 0.95, f"{name}: {int((~close).sum())} of {close.numel()} scales differ"
         else:
             torch.testing.assert_close(got[name], tensor, rtol=1e-3, atol=1e-5, msg=lambda message, name=name: f"{name}: {message}")
     errors = [[layer["output_error"] for layer in json.loads((artifact / MANIFEST).read_text())["layers"]] for artifact in (one, two)]
