@@ -2,7 +2,7 @@
 decoding together, the mean step time over STEPS steps, then torch.profiler's top operators of a few steps.
 
     python benchmarks/profile_decode.py ARTIFACT [--batch 1 16] [--steps 40] [--dtype bfloat16] [--top 15] [--compile] [--dense-weights]
-        [--no-amx] [--max-eager-int4-rows N]
+        [--no-amx] [--no-dense-copy] [--max-eager-int4-rows N]
 """
 import argparse
 import time
@@ -42,12 +42,14 @@ def main() -> None:
     parser.add_argument("--top", type=int, default=15)
     parser.add_argument("--compile", action="store_true", help="The decoder layers' pieces under torch.compile.")
     parser.add_argument("--dense-weights", action="store_true", help="Weight-only layers dequantized onto dense matmuls.")
-    parser.add_argument("--no-amx", action="store_true", help="Int4 layers on torch's eager kernel only.")
+    parser.add_argument("--no-amx", action="store_true", help="Int4 layers off AMX.")
+    parser.add_argument("--no-dense-copy", action="store_true", help="Int4 layers without a bfloat16 copy for many-row steps.")
     parser.add_argument("--max-eager-int4-rows", type=int, default=EngineConfig().max_eager_int4_rows)
     args = parser.parse_args()
     engine = LLMEngine(args.artifact, EngineConfig(dtype=getattr(torch, args.dtype), enable_prefix_caching=False,
                                                    compile=args.compile, dense_weights=args.dense_weights,
-                                                   amx_int4=not args.no_amx, max_eager_int4_rows=args.max_eager_int4_rows))
+                                                   amx_int4=not args.no_amx, int4_dense_copy=not args.no_dense_copy,
+                                                   max_eager_int4_rows=args.max_eager_int4_rows))
     if engine.runner.amx_s is not None:
         print(f"int4 matmuls compiled for AMX in {engine.runner.amx_s:.1f} s")
     if args.compile:

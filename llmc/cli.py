@@ -212,9 +212,13 @@ ENGINE_OPTIONS = [
     DEVICE_OPTION,
     click.option("--amx-int4/--no-amx-int4", default=engine_default("amx_int4"), show_default=True,
                  help="CPU with AMX, bfloat16: int4 layers compiled onto inductor's AMX int4 GEMM at start (cached on disk)."),
+    click.option("--int4-dense-copy/--no-int4-dense-copy", default=engine_default("int4_dense_copy"), show_default=True,
+                 help="CPU without AMX, bfloat16: int4 layers keep a bfloat16 copy of their weights (4x their memory) for steps "
+                 "of more than --max-eager-int4-rows tokens, where a dense GEMM beats the int4 kernel."),
     click.option("--max-eager-int4-rows", type=click.IntRange(min=0), default=engine_default("max_eager_int4_rows"),
-                 show_default=True, help="With --amx-int4: steps of at most this many tokens keep torch's eager int4 kernel, "
-                 "faster for few rows; 0 puts every step on AMX, so a token's bits do not depend on the batch."),
+                 show_default=True, help="Steps of at most this many tokens keep torch's eager int4 kernel, faster for few "
+                 "rows; larger ones run on AMX or the dense copy. 0 puts every step there, so a token's bits do not depend on "
+                 "the batch."),
     click.option("--compile/--no-compile", "compile_layers", default=engine_default("compile"), show_default=True,
                  help="CPU: torch.compile the decoder layers' pieces around the attention (compiled at start, cached on disk)."),
 ]

@@ -3,7 +3,8 @@ import torch
 import torch.nn.functional as F
 
 from llmc.quant.qtypes import QuantArgs, quantize_weight
-from llmc.runtime.layers.attention import decode_attention_reference, prefill_attention_reference
+from llmc.runtime.layers.attention import DecodeRows, ScoreShape, decode_attention_reference, prefill_attention_reference
+from llmc.runtime.layers.cpu_attention import attend_rows_cpu, compiled_kernel, decode_attention_cpu
 from llmc.runtime.layers.int4_amx import amx_available
 from llmc.runtime.layers.linear import DenseLinear, Int4CpuLinear, Int8CpuLinear, build_linear
 from llmc.runtime.layers.linear_weight import LinearWeight
@@ -25,6 +26,19 @@ def test_int4_kernel_weights_equal_dequantize_bit_for_bit():
     assert torch.equal(linear(torch.eye(128)), weight.dequantize().t())
     x = torch.randn(5, 128)
     torch.testing.assert_close(linear(x), x @ weight.dequantize().t(), atol=1e-4, rtol=1e-4)
+
+
+def test_int4_dense_copy_holds_the_kernels_weights_and_takes_steps_of_many_rows():
+    weight = quantized(group_size=64)
+    linear = Int4CpuLinear(LinearWeight(weight), torch.bfloat16, "cpu")
+    kernel_weights = linear(torch.eye(128, dtype=torch.bfloat16)).t()
+    linear.use_dense_copy(weight, max_eager_rows=12)
+    assert torch.equal(linear.dense, kernel_weights)  # the same bfloat16 weights, only the GEMM differs
+    few, many = torch.randn(12, 128).bfloat16(), torch.randn(13, 128).bfloat16()
+    assert torch.equal(linear(few), linear.matmul(few))
+    assert torch.equal(linear(many), F.linear(many, kernel_weights))
+    exact = many.float() @ kernel_weights.float().t()
+    torch.testing.assert_close(linear(many).float(), exact, atol=0.1, rtol=0.02)  # bfloat16 outputs of about 10
 
 
 def test_kernel_choice_and_bfloat16_int4_matches_dense():
@@ -171,3 +185,28 @@ def test_greedy_tokens_are_the_argmax_with_the_first_index_on_ties():
     generator = torch.Generator().manual_seed(0)
     many_ties = (torch.randn(64, 49152, generator=generator) * 2).round().bfloat16()
     assert greedy_tokens(many_ties) == many_ties.argmax(-1).tolist()
+
+
+@pytest.mark.parametrize("shape", [ScoreShape(), ScoreShape(window=9, softcap=2.0)], ids=["plain", "window-softcap"])
+def test_cpu_decode_kernel_equals_the_reference_and_keeps_each_rows_bits(shape):
+    """The C++ kernel (compiled on first use) against the torch reference in float32; in bfloat16 a row's bits do not
+    depend on its batch, and reading a row by its key slots (draft rows) gives the bits reading it by blocks does."""
+    if compiled_kernel() is None:
+        pytest.skip("no C++ toolchain: the engine decodes on the reference")
+    generator = torch.Generator().manual_seed(2)
+    block_tables = torch.randperm(24, generator=generator)[:20].view(5, 4)
+    context_lens = torch.tensor([17, 30, 64, 3, 20])
+    for dtype in (torch.float32, torch.bfloat16):
+        k_cache, v_cache = paged_cache(num_blocks=24, dtype=dtype)
+        query = torch.randn(5, 4, 16, generator=generator).to(dtype)
+        got = decode_attention_cpu(query, k_cache, v_cache, block_tables, context_lens, 0.25, shape=shape)
+        expected = decode_attention_reference(query, k_cache, v_cache, block_tables, context_lens, 0.25, shape=shape)
+        tolerance = 1e-5 if dtype == torch.float32 else 1e-2
+        torch.testing.assert_close(got, expected, atol=tolerance, rtol=tolerance)
+        for row in range(5):
+            alone = decode_attention_cpu(query[row : row + 1], k_cache, v_cache, block_tables[row : row + 1],
+                                         context_lens[row : row + 1], 0.25, shape=shape)
+            assert torch.equal(got[row : row + 1], alone)
+        slots = (block_tables[:, :, None] * 16 + torch.arange(16)).flatten(1)
+        by_slot = attend_rows_cpu(query, k_cache, v_cache, [DecodeRows(torch.arange(5), slots, context_lens)], 0.25, shape=shape)
+        assert torch.equal(by_slot, got)

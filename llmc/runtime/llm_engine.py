@@ -6,7 +6,7 @@ from transformers import AutoConfig, AutoTokenizer
 from llmc.errors import LlmcError
 from llmc.runtime.engine.block_manager import BlockManager
 from llmc.runtime.engine.config import EngineConfig
-from llmc.runtime.engine.model_runner import ModelRunner
+from llmc.runtime.engine.model_runner import ModelRunner, int4_dense_copy_rows
 from llmc.runtime.engine.scheduler import Scheduler
 from llmc.runtime.engine.sequence import Sequence
 from llmc.runtime.engine_stats import EngineStats
@@ -35,7 +35,7 @@ class LLMEngine:
         config = config or EngineConfig()
         folder = resolve_model(str(model))
         tokenizer = AutoTokenizer.from_pretrained(folder)
-        weights = WeightLoader(folder, config.dtype, config.device, config.dense_weights)
+        weights = WeightLoader(folder, config.dtype, config.device, config.dense_weights, int4_dense_copy_rows(config))
         runner = ModelRunner(AutoConfig.from_pretrained(folder), weights, config)
         self._start(str(model), runner, tokenizer, config, eos_token_ids(tokenizer, folder))
 

@@ -22,10 +22,18 @@ class EngineConfig:
     # a CPU with AMX, bfloat16: int4 layers compiled onto inductor's AMX int4 GEMM (layers/int4_amx.py) at start;
     # False keeps torch's eager int4 kernel for every step, as does compile (its graphs hold the int4 op themselves)
     amx_int4: bool = True
-    # with amx_int4, steps of at most this many tokens keep the eager kernel, faster for a few rows; a token's bits then
-    # depend on whether its step had more tokens than this. 0: every step on AMX, bits independent of the batch
+    # a CPU without AMX (or amx_int4 off), bfloat16: int4 layers keep a bfloat16 copy of their weights for steps of more
+    # than max_eager_int4_rows tokens (prefill chunks, large batches), where torch's int4 kernel, row by row, is slower
+    # than a dense GEMM; it takes 4x the int4 weights' memory. False: every step on the int4 kernel
+    int4_dense_copy: bool = True
+    # steps of at most this many tokens keep torch's eager int4 kernel, faster for a few rows; the others run on AMX or
+    # the dense copy. A token's bits then depend on whether its step had more tokens than this. 0: every step on AMX
+    # or the dense copy, bits independent of the batch
     max_eager_int4_rows: int = 12
     device: str = "cpu"
+    # CPU: decode attention in one C++ kernel compiled on first use (layers/cpu_attention.py); False, or a cache in
+    # FP8, or no compiler: the torch reference
+    cpu_decode_kernel: bool = True
     # every sequence keeps the final hidden state (float32) of each token it computes, in Sequence.hidden_states:
     # self-distillation reads the features it trains on from the generation itself instead of a second pass
     keep_hidden_states: bool = False

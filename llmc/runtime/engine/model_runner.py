@@ -11,7 +11,8 @@ from llmc.runtime.engine.config import EngineConfig
 from llmc.runtime.engine.cuda_graphs import DecodeGraphs
 from llmc.runtime.engine.grammar import masked_logits
 from llmc.runtime.engine.sequence import Sequence
-from llmc.runtime.layers.attention import AttentionMetadata, DecodeRows, decode_buckets
+from llmc.runtime.layers.attention import AttentionMetadata, DecodeRows, decode_buckets, padded_length
+from llmc.runtime.layers.cpu_attention import attend_rows_cpu, compiled_kernel, decode_attention_cpu
 from llmc.runtime.layers.int4_amx import amx_available
 from llmc.runtime.layers.linear import Int4CpuLinear
 from llmc.runtime.layers.sampler import SampledToken, sample, token_logprobs
@@ -42,6 +43,16 @@ def amx_int4(model: torch.nn.Module, max_eager_rows: int) -> float | None:
     return seconds
 
 
+def uses_amx(config: EngineConfig) -> bool:
+    return config.amx_int4 and not config.compile and amx_available()
+
+
+def int4_dense_copy_rows(config: EngineConfig) -> int | None:
+    """Int4 layers keep a dense copy for steps of more than this many rows (WeightLoader's dense_copy_above); None
+    where AMX takes those steps, or the copy is off."""
+    return config.max_eager_int4_rows if config.int4_dense_copy and not uses_amx(config) else None
+
+
 class ModelRunner:
     """Owns the model and the paged KV cache; turns scheduled sequences into one flat batch and samples. On CUDA,
     decode-only steps replay CUDA graphs captured per batch size."""
@@ -65,8 +76,7 @@ class ModelRunner:
             self.num_blocks * config.block_size,  # one sequence must always fit, or preemption could not help
         )
         self.model = LlamaForCausalLM(hf_config, weights, self.max_model_len)
-        use_amx = config.amx_int4 and not config.compile and amx_available()
-        self.amx_s = amx_int4(self.model, config.max_eager_int4_rows) if use_amx else None
+        self.amx_s = amx_int4(self.model, config.max_eager_int4_rows) if uses_amx(config) else None
         self.compile_s = None
         if config.compile:
             self.compile_s = compile_decoder_layers(self.model.layers, hf_config.hidden_size, config.dtype, config.device)
@@ -88,6 +98,11 @@ class ModelRunner:
 
             for attention in self.model.attention_layers():
                 attention.decode_attention = decode_attention_triton
+        # on the CPU, decode rows read the cache in one C++ kernel (layers/cpu_attention.py) where it builds
+        self.cpu_decode = config.cpu_decode_kernel and config.device == "cpu" and kv_dtype == config.dtype and compiled_kernel() is not None
+        if self.cpu_decode:
+            for attention in self.model.attention_layers():
+                attention.decode_attention, attention.attend_rows = decode_attention_cpu, attend_rows_cpu
         self.speculator: Speculator | None = None  # LLMEngine attaches one when the config names a draft
         self.graphs = None
         if use_graphs:
@@ -128,7 +143,7 @@ class ModelRunner:
         )
         if any(len(seq.draft) for seq in seqs):
             metadata.decode_rows = self._decode_rows(list(dict.fromkeys(group_seqs[:num_decodes])))
-        elif num_decodes and not self.triton_decode:
+        elif num_decodes and not (self.triton_decode or self.cpu_decode):
             metadata.decode_rows = decode_buckets(metadata.block_tables[:num_decodes], metadata.context_lens[:num_decodes], self.block_size)
         return tensor(input_ids), tensor(positions), metadata
 
@@ -144,7 +159,7 @@ class ModelRunner:
         ]
 
     def _row_keys(self, seq: Sequence) -> list[tuple[torch.Tensor, int]]:
-        """The cache slots each of seq's decode rows reads, padded to whole blocks, and how many of them count: the
+        """The cache slots each of seq's decode rows reads, padded as decoding pads them, and how many count: the
         last token, then every draft node (cache position len(seq) + node). A node on the chain from the last token
         reads a plain prefix, like decoding it would; the others the prefix of real tokens plus their ancestors."""
         end = seq.num_computed_tokens + seq.num_scheduled_tokens
@@ -158,7 +173,7 @@ class ModelRunner:
         keys = []
         for prefix_len, branch in rows:
             length = prefix_len + len(branch)
-            padding = [0] * (-length % self.block_size)  # position 0, masked
+            padding = [0] * (padded_length(length, self.block_size) - length)  # position 0, masked
             index = torch.cat([torch.arange(prefix_len), torch.tensor(branch + padding, dtype=torch.long)])
             keys.append((seq_slots[index.to(self.device)], length))
         return keys

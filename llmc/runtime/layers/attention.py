@@ -34,8 +34,11 @@ class DecodeRows:
     decoding its token would, and a tree node sees only its ancestors among the drafts."""
 
     rows: torch.Tensor  # [r] index among the step's decode rows
-    slots: torch.Tensor  # [r, padded_len] cache slot of each key position; past `lengths`, any slot (masked)
+    # [r, padded_len] cache slot of each key position, past `lengths` any slot (masked); or, rows that read whole blocks
+    # in order (plain decoding), [r, padded_len / block_size] their blocks: gathered a block at a time
+    slots: torch.Tensor
     lengths: torch.Tensor  # [r] key positions each row attends to
+    whole_blocks: bool = False
 
 
 @dataclass(slots=True)
@@ -79,20 +82,28 @@ def decode_attention_reference(
 ) -> torch.Tensor:
     """One query token per sequence: [num_seqs, heads, head_dim] -> same shape. Plain matmuls in float32: for a
     single query, torch's CPU flash-attention kernel is twice as slow. Sequences are attended together only with
-    those holding as many blocks: padded to another length, the matmuls would sum in another order, and in
-    bfloat16 that changes greedy choices with the batch. k_scale / v_scale: [kv_heads], FP8 caches."""
+    those of the same padded length (padded_length): padded to another length, the matmuls would sum in another order,
+    and in bfloat16 that changes greedy choices with the batch. k_scale / v_scale: [kv_heads], FP8 caches."""
     buckets = decode_buckets(block_tables, context_lens, k_cache.shape[1])
     return attend_rows(query, k_cache, v_cache, buckets, scale, k_scale, v_scale, shape)
 
 
+def padded_length(length: int, block_size: int) -> int:
+    """The key positions a decode row of `length` keys attends over: whole blocks, as many as the next power of two.
+    It depends on the row's own length only, so the row sums in the same order whatever rows share its matmul; powers
+    of two keep the distinct lengths of a step, and so the attention calls of every layer, few."""
+    return block_size * (1 << (cdiv(length, block_size) - 1).bit_length())
+
+
 def decode_buckets(block_tables: torch.Tensor, context_lens: torch.Tensor, block_size: int) -> list[DecodeRows]:
-    """One query per sequence, bucketed by the number of blocks it reads; the same for every layer of a step."""
-    num_blocks = cdiv(context_lens, block_size)
+    """One query per sequence, bucketed by its padded length; the same for every layer of a step."""
+    padded_blocks = torch.tensor([padded_length(length, block_size) // block_size for length in context_lens.tolist()],
+                                 device=block_tables.device)
+    block_tables = F.pad(block_tables, (0, max(0, int(padded_blocks.max()) - block_tables.shape[1])))  # block 0, masked
     buckets = []
-    for count in num_blocks.unique().tolist():
-        rows = (num_blocks == count).nonzero().flatten()
-        slots = block_tables[rows, :count, None] * block_size + torch.arange(block_size, device=block_tables.device)
-        buckets.append(DecodeRows(rows, slots.flatten(1), context_lens[rows]))
+    for count in padded_blocks.unique().tolist():
+        rows = (padded_blocks == count).nonzero().flatten()
+        buckets.append(DecodeRows(rows, block_tables[rows, :count], context_lens[rows], whole_blocks=True))
     return buckets
 
 
@@ -101,18 +112,19 @@ def attend_rows(
     k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None, shape: ScoreShape = PLAIN,
 ) -> torch.Tensor:
     """Decode rows [rows, heads, head_dim], each bucket in one matmul over its rows' own key positions."""
-    k_flat, v_flat = k_cache.flatten(0, 1), v_cache.flatten(0, 1)
     out = torch.empty_like(query)
     for bucket in buckets:
-        keys, values = read_rows(k_flat, bucket.slots, k_scale), read_rows(v_flat, bucket.slots, v_scale)
+        keys, values = read_rows(k_cache, bucket, k_scale), read_rows(v_cache, bucket, v_scale)
         out[bucket.rows] = attend_gathered(query[bucket.rows], keys, values, bucket.lengths, scale, shape)
     return out
 
 
-def read_rows(flat_cache: torch.Tensor, slots: torch.Tensor, kv_scale: torch.Tensor | None) -> torch.Tensor:
-    """Cache entries at slots [rows, padded_len] -> [rows, kv_heads, padded_len, head_dim] float32, the layout the
-    attention matmuls take: converting and transposing in one copy saves the matmuls a second, strided one."""
-    states = flat_cache[slots] if kv_scale is None else read_kv(flat_cache[slots], kv_scale, torch.float32)
+def read_rows(cache: torch.Tensor, bucket: DecodeRows, kv_scale: torch.Tensor | None) -> torch.Tensor:
+    """A bucket's cache entries -> [rows, kv_heads, padded_len, head_dim] float32, the layout the attention matmuls
+    take: converting and transposing in one copy saves the matmuls a second, strided one."""
+    states = cache[bucket.slots].flatten(1, 2) if bucket.whole_blocks else cache.flatten(0, 1)[bucket.slots]
+    if kv_scale is not None:
+        states = read_kv(states, kv_scale, torch.float32)
     rows, padded_len, num_kv_heads, head_dim = states.shape
     gathered = torch.empty(rows, num_kv_heads, padded_len, head_dim, dtype=torch.float32, device=states.device)
     return gathered.copy_(states.transpose(1, 2))
@@ -190,7 +202,8 @@ class PagedAttention(nn.Module):
         self.k_cache = self.v_cache = torch.empty(0)  # bound by the model runner
         self.k_scale: torch.Tensor | None = None  # [kv_heads] float32 when the cache is FP8
         self.v_scale: torch.Tensor | None = None
-        self.decode_attention = decode_attention_reference
+        self.decode_attention = decode_attention_reference  # one query per sequence, by block tables
+        self.attend_rows = attend_rows  # rows over their own key slots (draft trees), the same arithmetic as decoding
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, metadata: AttentionMetadata) -> torch.Tensor:
         store_kv(self.k_cache, metadata.slot_mapping, k, self.k_scale)
@@ -198,7 +211,7 @@ class PagedAttention(nn.Module):
         num_decodes = metadata.num_decodes
         outputs = []
         if metadata.decode_rows is not None:
-            outputs.append(attend_rows(
+            outputs.append(self.attend_rows(
                 q[:num_decodes], self.k_cache, self.v_cache, metadata.decode_rows, self.scale, self.k_scale, self.v_scale,
                 self.shape,
             ))

@@ -7,19 +7,20 @@ from torch import nn
 from llmc.artifact.ct_config import kv_cache_args_from_config, schemes_from_config
 from llmc.artifact.reader import layout_of, scheme_of
 from llmc.models.checkpoint import CheckpointReader
-from llmc.runtime.layers.linear import build_linear
-from llmc.runtime.layers.linear_weight import LinearWeight
+from llmc.runtime.layers.linear import Int4CpuLinear, build_linear
+from llmc.runtime.layers.linear_weight import LinearWeight, merge
 
 
 class WeightLoader:
     """Reads a model's tensors from an artifact (compressed-tensors or the legacy GPTQ and AWQ layouts; packed int
     weights stay packed) or a plain HF folder. An artifact with an FP8 kv_cache_scheme gets an FP8 KV cache with its
     k_scale / v_scale; other KV formats are served in the compute dtype. dense: weight-only quantized layers on dense
-    matmuls (`build_linear`)."""
+    matmuls (`build_linear`). dense_copy_above: int4 layers on torch's CPU kernel also keep their weights dequantized,
+    for steps of more than this many rows (Int4CpuLinear.use_dense_copy)."""
 
-    def __init__(self, folder: Path, dtype: torch.dtype, device: str, dense: bool = False):
+    def __init__(self, folder: Path, dtype: torch.dtype, device: str, dense: bool = False, dense_copy_above: int | None = None):
         self.reader = CheckpointReader(folder)
-        self.dtype, self.device, self.dense = dtype, device, dense
+        self.dtype, self.device, self.dense, self.dense_copy_above = dtype, device, dense, dense_copy_above
         quantization = json.loads((folder / "config.json").read_text()).get("quantization_config")
         self.layout = layout_of(quantization) if quantization else None
         compressed_tensors = quantization is not None and quantization["quant_method"] == "compressed-tensors"
@@ -43,7 +44,11 @@ class WeightLoader:
         )
 
     def linear(self, names: list[str]) -> nn.Module:
-        return build_linear([self._linear_weight(name) for name in names], self.dtype, self.device, self.dense)
+        weight = merge([self._linear_weight(name) for name in names])
+        module = build_linear([weight], self.dtype, self.device, self.dense)
+        if self.dense_copy_above is not None and isinstance(module, Int4CpuLinear):
+            module.use_dense_copy(weight.weight, self.dense_copy_above)
+        return module
 
     def _linear_weight(self, name: str) -> LinearWeight:
         bias = self.reader.tensor(f"{name}.bias") if f"{name}.bias" in self.reader else None

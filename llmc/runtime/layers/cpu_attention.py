@@ -1,0 +1,153 @@
+"""Paged decode attention on the CPU as one C++ kernel: for each (sequence, KV head) it reads the sequence's K/V
+blocks through its block table where they lie in the cache (no gather, no float32 copy of the cache), computes the
+scores of the query heads that share the KV head in float32, soft-caps them, masks the keys out of the sliding
+window, and sums the softmax-weighted values, keys in position order. A row's arithmetic depends on its own
+length only, so its result is the same whatever rows share the step. Compiled with the machine's compiler on first
+use (torch.utils.cpp_extension, about 25 s on 2 cores, cached for later runs in torch's extension folder,
+TORCH_EXTENSIONS_DIR); where that fails, decoding keeps the torch reference (attention.decode_attention_reference)."""
+import logging
+
+import torch
+
+from llmc.runtime.layers.attention import PLAIN, DecodeRows, ScoreShape
+
+logger = logging.getLogger(__name__)
+
+SOURCE = r"""
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <cmath>
+#include <cstring>
+#include <vector>
+
+// element i of a cache row as float; bfloat16 widened by a shift the compiler vectorizes
+template <typename T>
+static inline float load(const T* row, int64_t i) { return static_cast<float>(row[i]); }
+template <>
+inline float load<c10::BFloat16>(const c10::BFloat16* row, int64_t i) {
+  uint32_t bits = static_cast<uint32_t>(reinterpret_cast<const uint16_t*>(row)[i]) << 16;
+  float value;
+  std::memcpy(&value, &bits, sizeof(value));
+  return value;
+}
+
+// tables: per row, its blocks (a block table) or, with by_slot, the cache slot of each key position
+template <typename T>
+static void decode_kernel(const T* query, const T* k_cache, const T* v_cache, const int64_t* tables,
+                          const int64_t* context_lens, T* out, int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads,
+                          int64_t head_dim, int64_t block_size, int64_t table_width, bool by_slot, double scale,
+                          int64_t window, double softcap) {
+  const int64_t group = num_heads / num_kv_heads;
+  const int64_t token_stride = num_kv_heads * head_dim;
+  at::parallel_for(0, num_seqs * num_kv_heads, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> q(group * head_dim), scores, acc(group * head_dim);
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t seq = item / num_kv_heads, kv_head = item % num_kv_heads;
+      const int64_t length = context_lens[seq];
+      const int64_t first = window > 0 ? std::max<int64_t>(0, length - window) : 0;
+      const int64_t* table = tables + seq * table_width;
+      auto offset = [&](int64_t pos) {
+        const int64_t slot = by_slot ? table[pos] : table[pos / block_size] * block_size + pos % block_size;
+        return slot * token_stride + kv_head * head_dim;
+      };
+      for (int64_t g = 0; g < group; ++g)
+        for (int64_t d = 0; d < head_dim; ++d)
+          q[g * head_dim + d] = load(query, (seq * num_heads + kv_head * group + g) * head_dim + d);
+      const int64_t count = length - first;
+      scores.assign(group * count, 0.f);
+      for (int64_t pos = first; pos < length; ++pos) {
+        const T* key = k_cache + offset(pos);
+        for (int64_t g = 0; g < group; ++g) {
+          float dot = 0.f;
+          for (int64_t d = 0; d < head_dim; ++d) dot += q[g * head_dim + d] * load(key, d);
+          float score = dot * static_cast<float>(scale);
+          if (softcap > 0) score = std::tanh(score / static_cast<float>(softcap)) * static_cast<float>(softcap);
+          scores[g * count + pos - first] = score;
+        }
+      }
+      std::fill(acc.begin(), acc.end(), 0.f);
+      for (int64_t g = 0; g < group; ++g) {
+        float* row = scores.data() + g * count;
+        float top = row[0];  // no infinities: the fast-math build assumes finite values
+        for (int64_t i = 1; i < count; ++i) top = std::max(top, row[i]);
+        float total = 0.f;
+        for (int64_t i = 0; i < count; ++i) { row[i] = std::exp(row[i] - top); total += row[i]; }
+        for (int64_t i = 0; i < count; ++i) row[i] /= total;
+      }
+      for (int64_t pos = first; pos < length; ++pos) {
+        const T* value = v_cache + offset(pos);
+        for (int64_t g = 0; g < group; ++g) {
+          const float weight = scores[g * count + pos - first];
+          for (int64_t d = 0; d < head_dim; ++d) acc[g * head_dim + d] += weight * load(value, d);
+        }
+      }
+      for (int64_t g = 0; g < group; ++g)
+        for (int64_t d = 0; d < head_dim; ++d)
+          out[(seq * num_heads + kv_head * group + g) * head_dim + d] = static_cast<T>(acc[g * head_dim + d]);
+    }
+  });
+}
+
+torch::Tensor paged_decode(torch::Tensor query, torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor tables_in,
+                           torch::Tensor context_lens, bool by_slot, double scale, int64_t window, double softcap) {
+  TORCH_CHECK(query.is_contiguous() && k_cache.is_contiguous() && v_cache.is_contiguous(), "contiguous tensors expected");
+  auto tables = tables_in.to(torch::kLong).contiguous();
+  auto lengths = context_lens.to(torch::kLong).contiguous();
+  auto out = torch::empty_like(query);
+  const int64_t num_seqs = query.size(0), num_heads = query.size(1), head_dim = query.size(2);
+  const int64_t block_size = k_cache.size(1), num_kv_heads = k_cache.size(2);
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, query.scalar_type(), "paged_decode", [&] {
+    decode_kernel<scalar_t>(query.data_ptr<scalar_t>(), k_cache.data_ptr<scalar_t>(), v_cache.data_ptr<scalar_t>(),
+                            tables.data_ptr<int64_t>(), lengths.data_ptr<int64_t>(), out.data_ptr<scalar_t>(), num_seqs,
+                            num_heads, num_kv_heads, head_dim, block_size, tables.size(1), by_slot, scale, window, softcap);
+  });
+  return out;
+}
+"""
+# fast math lets the compiler vectorize the dot products over head_dim (reassociated: in an order the code fixes, not
+# the batch) and the softmax's exponentials (glibc's vector expf); the kernel keeps every value finite. OpenMP: ATen's parallel_for
+# spreads (sequence, KV head) pairs over torch's threads only when the extension is built with it
+COMPILER_FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp"]
+_kernel: object | None = None
+_tried = False
+
+
+def compiled_kernel():
+    """The compiled extension, compiled (or read from the cache) on first call; None where it cannot be built."""
+    global _kernel, _tried
+    if not _tried:
+        _tried = True
+        from torch.utils.cpp_extension import load_inline
+
+        try:
+            _kernel = load_inline("llmc_paged_decode", cpp_sources=SOURCE, functions=["paged_decode"], extra_cflags=COMPILER_FLAGS,
+                                  extra_ldflags=["-fopenmp"])
+        except Exception as error:  # no compiler, no ninja, a toolchain error: the reference still decodes
+            logger.warning("the CPU paged decode kernel could not be built (%s); decoding on the torch reference", error)
+    return _kernel
+
+
+def decode_attention_cpu(
+    query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+    context_lens: torch.Tensor, scale: float, k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
+    shape: ScoreShape = PLAIN,
+) -> torch.Tensor:
+    """Same contract as attention.decode_attention_reference, for caches in the compute dtype."""
+    assert k_scale is None and v_scale is None, "FP8 caches decode on the reference"
+    return compiled_kernel().paged_decode(query.contiguous(), k_cache, v_cache, block_tables, context_lens, False, scale,
+                                          shape.window or 0, shape.softcap or 0.0)
+
+
+def attend_rows_cpu(
+    query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, buckets: list[DecodeRows], scale: float,
+    k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None, shape: ScoreShape = PLAIN,
+) -> torch.Tensor:
+    """Same contract as attention.attend_rows (draft rows, each over its own key slots), by the same kernel and in the
+    same order as decoding: a draft row computes bit for bit what decoding its token would."""
+    assert k_scale is None and v_scale is None, "FP8 caches decode on the reference"
+    out = torch.empty_like(query)
+    for bucket in buckets:
+        by_slot = not bucket.whole_blocks
+        out[bucket.rows] = compiled_kernel().paged_decode(query[bucket.rows].contiguous(), k_cache, v_cache, bucket.slots,
+                                                          bucket.lengths, by_slot, scale, shape.window or 0, shape.softcap or 0.0)
+    return out
