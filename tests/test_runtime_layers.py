@@ -31,9 +31,10 @@ def test_int4_kernel_weights_equal_dequantize_bit_for_bit():
 def test_int4_dense_copy_holds_the_kernels_weights_and_takes_steps_of_many_rows():
     weight = quantized(group_size=64)
     linear = Int4CpuLinear(LinearWeight(weight), torch.bfloat16, "cpu")
-    kernel_weights = linear(torch.eye(128, dtype=torch.bfloat16)).t()
+    identity = torch.eye(128, dtype=torch.bfloat16)
+    kernel_weights = linear(identity).t()
     linear.use_dense_copy(weight, max_eager_rows=12)
-    assert torch.equal(linear.dense, kernel_weights)  # the same bfloat16 weights, only the GEMM differs
+    assert torch.equal(linear(identity).t(), kernel_weights)  # 128 rows, on the copy: the same bfloat16 weights
     few, many = torch.randn(12, 128).bfloat16(), torch.randn(13, 128).bfloat16()
     assert torch.equal(linear(few), linear.matmul(few))
     assert torch.equal(linear(many), F.linear(many, kernel_weights))

@@ -14,6 +14,27 @@ from llmc.runtime.layers.linear_weight import LinearWeight, merge
 from llmc.runtime.layers.quantized_input_linear import QuantizedInputLinear
 
 
+def packs_for_onednn(dtype: torch.dtype, device: str) -> bool:
+    """bfloat16 on the CPU: oneDNN multiplies weights it packed once at load (torch's mkldnn linear, as inductor's
+    freezing packs them) without repacking them on every call, as it does plain ones, at the same bits."""
+    return dtype == torch.bfloat16 and device == "cpu" and torch.backends.mkldnn.is_available()
+
+
+class PackedWeight(nn.Module):
+    """x @ weight.T (+ bias) on a weight packed for oneDNN's bfloat16 GEMM."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None):
+        super().__init__()
+        self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), PACKING_ROWS)
+        self.bias = bias
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+
+
+PACKING_ROWS = 16  # the rows oneDNN is told to expect when it picks the packed layout
+
+
 class DenseLinear(nn.Module):
     """Plain weights, or quantized ones dequantized once at load with llmc's own arithmetic (the fallback)."""
 
@@ -22,12 +43,15 @@ class DenseLinear(nn.Module):
         dense = weight.weight.dequantize() if isinstance(weight.weight, QuantizedWeight) else weight.weight
         self.weight = nn.Parameter(dense.to(device, dtype), requires_grad=False)
         self.bias = None if weight.bias is None else nn.Parameter(weight.bias.to(device, dtype), requires_grad=False)
+        self.packed = PackedWeight(self.weight.data, self.bias) if packs_for_onednn(dtype, device) else None
 
     @staticmethod
     def supports(weight: LinearWeight, dtype: torch.dtype, device: str) -> bool:
         return True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.packed is not None and x.dtype == torch.bfloat16:
+            return self.packed(x.reshape(-1, x.shape[-1])).reshape(*x.shape[:-1], -1)
         return F.linear(x, self.weight, self.bias)
 
 
@@ -71,7 +95,7 @@ class Int4CpuLinear(nn.Module):
         )
         self.bias = None if weight.bias is None else nn.Parameter(weight.bias.to(dtype), requires_grad=False)
         self.amx: Callable[[torch.Tensor], torch.Tensor] | None = None
-        self.dense: torch.Tensor | None = None
+        self.dense: PackedWeight | torch.Tensor | None = None
         self.max_eager_rows = 0
 
     @classmethod
@@ -93,13 +117,16 @@ class Int4CpuLinear(nn.Module):
         """Keep weight (this layer's, as built) dequantized beside the codes for steps of more than max_eager_rows rows:
         each code times its scale in the compute dtype, the product the kernel multiplies by, rounded to that dtype."""
         dtype = self.matmul.scales_and_zeros.dtype
-        self.dense = replace(weight, scale=weight.scale.to(dtype).float()).dequantize().to(dtype)  # the kernel's scales
+        dense = replace(weight, scale=weight.scale.to(dtype).float()).dequantize().to(dtype)  # the kernel's scales
+        self.dense = PackedWeight(dense, None) if packs_for_onednn(dtype, "cpu") else dense
         self.max_eager_rows = max_eager_rows
 
     def _product(self, flat: torch.Tensor) -> torch.Tensor:
         rows = len(flat)
         if rows <= self.max_eager_rows or (self.amx is None and self.dense is None):
             return self.matmul(flat)
+        if isinstance(self.dense, PackedWeight):
+            return self.dense(flat)
         if self.dense is not None:
             return F.linear(flat, self.dense)
         if rows == 1:
