@@ -97,11 +97,13 @@ def start_server(kind: str, model: Path, port: int, vllm: Path, llmc_args: list[
     """The server, and the seconds until it answered /v1/models."""
     command, extra_env = server_command(kind, model, port, vllm, llmc_args)
     started = time.perf_counter()
-    process = subprocess.Popen(command, env=os.environ | extra_env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    log = ROOT / "artifacts" / f"vs-vllm-{kind}.log"
+    process = subprocess.Popen(command, env=os.environ | extra_env, stdout=open(log, "w"), stderr=subprocess.STDOUT,
                                start_new_session=True)
     while time.perf_counter() - started < 600:
         if process.poll() is not None:
-            raise RuntimeError(f"{kind} exited with {process.returncode} before serving: {' '.join(command)}")
+            last = [line for line in log.read_text().splitlines() if "Error" in line][-1:] or ["(no error line)"]
+            raise RuntimeError(f"{kind} exited with {process.returncode} before serving ({log}): {last[0][-300:]}")
         try:
             if httpx.get(f"http://127.0.0.1:{port}/v1/models", timeout=2).status_code == 200:
                 return process, time.perf_counter() - started
@@ -205,9 +207,13 @@ def main() -> None:
     for format_name, build in models.items():
         model = build()
         print(f"{format_name}: {model}", flush=True)
-        results = {kind: measure_server(kind, model, args.port, args.vllm, args.llmc_args.split(), prompts, args.max_tokens,
-                                        args.concurrency)
-                   for kind in args.servers}
+        results = {}
+        for kind in args.servers:
+            try:
+                results[kind] = measure_server(kind, model, args.port, args.vllm, args.llmc_args.split(), prompts, args.max_tokens,
+                                               args.concurrency)
+            except RuntimeError as error:  # a server that cannot serve the artifact (vLLM lacking a kernel for it here)
+                print(f"  {kind:15} does not serve it: {error}", flush=True)
         everything[format_name] = results
         if {"llmc", "vllm", "vllm-all-cores"} <= set(results):
             print(table(format_name, results, args.concurrency), flush=True)

@@ -7,6 +7,7 @@ from llmc.evals.loading import load_model
 from llmc.pipeline import run_quantize
 from llmc.recipe import load_recipe
 from llmc.runtime.engine.config import EngineConfig
+from llmc.runtime.layers.cpu_attention import compiled_kernel
 from llmc.runtime.layers.linear import Int4CpuLinear
 from llmc.runtime.llm_engine import LLMEngine
 from llmc.runtime.sampling_params import SamplingParams
@@ -61,8 +62,12 @@ def assert_no_blocks_in_use(llm: LLMEngine):
     assert llm.block_manager.num_used_blocks == 0 and not llm.sequences and not llm.has_unfinished()
 
 
-def test_greedy_equals_transformers_with_staggered_arrivals(artifact, reference):
-    llm = engine(artifact)
+@pytest.mark.parametrize("cpu_decode_kernel", [True, False], ids=["cpp-decode", "reference-decode"])
+def test_greedy_equals_transformers_with_staggered_arrivals(artifact, reference, cpu_decode_kernel):
+    if cpu_decode_kernel and compiled_kernel() is None:
+        pytest.skip("no C++ toolchain: the engine decodes on the reference")
+    llm = engine(artifact, cpu_decode_kernel=cpu_decode_kernel)
+    assert llm.runner.cpu_decode == cpu_decode_kernel
     assert run_staggered(llm, PROMPTS, GREEDY) == reference
     assert_no_blocks_in_use(llm)
 
