@@ -22,8 +22,9 @@ def _int8_mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 
 
 def _fp8_mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """[M, K] x [N, K] float8 -> [M, N] float32, unscaled. On CPU a float32 matmul of the codes, which float32 holds
-    exactly (as it does their products): torch's CPU _scaled_mm is a slow reference loop, ~100x a float32 matmul."""
+    """[M, K] x [N, K] float8 (on CPU the weight may come as its float32 codes) -> [M, N] float32, unscaled. On CPU a
+    float32 matmul of the codes, which float32 holds exactly (as it does their products): torch's CPU _scaled_mm is a
+    slow reference loop, ~100x a float32 matmul."""
     if not a.is_cuda:
         return a.float() @ b.float().t()
     unit = torch.ones((), device=a.device)

@@ -18,7 +18,10 @@ class QuantizedInputLinear(nn.Module):
         super().__init__()
         quantized = weight.weight
         self.args, self.input_activations = quantized.args, quantized.input_activations
-        self.register_buffer("codes", quantized.codes.to(device))
+        codes = quantized.codes.to(device)
+        if device == "cpu" and quantized.args.type == "float":  # float32 holds E4M3 exactly: converted once, not every call
+            codes = codes.float()
+        self.register_buffer("codes", codes)
         self.register_buffer("weight_scale", quantized.scale.to(device, torch.float32))
         self.register_buffer("zero_point", quantized.zero_point.to(device))
         self.register_buffer("input_scale", None if weight.input_scale is None else weight.input_scale.to(device, torch.float32))
