@@ -124,6 +124,22 @@ def smollm2_available() -> bool:
     )
 
 
+def staggered_requests(llm, prompts: list, params, every: int = 3) -> list:
+    """One new request every `every` steps, so requests join and leave a running batch; the finished sequences."""
+    pending, seqs, step = list(prompts), [], 0
+    while pending or llm.has_unfinished():
+        if pending and step % every == 0:
+            seqs.append(llm.add_request(pending.pop(0), params))
+        llm.step()
+        step += 1
+    return seqs
+
+
+def run_staggered(llm, prompts: list, params, every: int = 3) -> list[list[int]]:
+    """staggered_requests' output tokens."""
+    return [seq.output_token_ids for seq in staggered_requests(llm, prompts, params, every)]
+
+
 def write_recipe(path: Path, model: Path, output: Path, stage: str, calibration: Path | None = None) -> Path:
     calibration_section = (
         f"calibration:\n  dataset: {calibration}\n  num_samples: 4\n  seq_len: 32\n" if calibration else ""

@@ -2,7 +2,7 @@
 each "graph" as an eager forward over the same buffers; on CUDA, captured graphs must give eager's tokens."""
 import pytest
 import torch
-from conftest import CORPUS
+from conftest import CORPUS, staggered_requests
 
 from llmc.runtime.engine import model_runner
 from llmc.runtime.engine.config import EngineConfig
@@ -31,12 +31,7 @@ def staggered(llm: LLMEngine) -> tuple[list[list[int]], torch.Tensor]:
     """One request joins every 4 steps: decode batches of 1, 2 and 3 sequences (the last padded to 4). The tokens,
     and their log-probabilities, which show any difference in the hidden states (a tiny random model's tokens
     may not)."""
-    pending, seqs, step = list(PROMPTS), [], 0
-    while pending or llm.has_unfinished():
-        if pending and step % 4 == 0:
-            seqs.append(llm.add_request(pending.pop(0), GREEDY))
-        llm.step()
-        step += 1
+    seqs = staggered_requests(llm, PROMPTS, GREEDY, every=4)
     return [seq.output_token_ids for seq in seqs], torch.tensor([token.logprob for seq in seqs for token in seq.logprobs])
 
 

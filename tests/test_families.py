@@ -3,7 +3,7 @@ by transformers as it is, folded by AWQ and SmoothQuant without changing the ful
 llmc's runtime with transformers' greedy tokens (continuous batching, prefix caching, chunked prefill)."""
 import pytest
 import torch
-from conftest import CORPUS, build_tiny_model, write_recipe
+from conftest import CORPUS, build_tiny_model, run_staggered, write_recipe
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from llmc.calib.driver import build_skeleton, decoder_layers, embed, layer_linears, materialize
@@ -76,16 +76,6 @@ def reference_tokens(artifact) -> list[list[int]]:
             generated = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=MAX_TOKENS, do_sample=False)
         outputs.append(generated[0, ids.shape[1] :].tolist())
     return outputs
-
-
-def run_staggered(llm: LLMEngine, prompts: list[str], params: SamplingParams) -> list[list[int]]:
-    pending, seqs, step = list(prompts), [], 0
-    while pending or llm.has_unfinished():
-        if pending and step % 3 == 0:
-            seqs.append(llm.add_request(pending.pop(0), params))
-        llm.step()
-        step += 1
-    return [seq.output_token_ids for seq in seqs]
 
 
 def test_runtime_greedy_equals_transformers(artifact, reference_tokens):

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import CORPUS, build_tiny_model, first_layer, write_recipe
+from conftest import CORPUS, build_tiny_model, first_layer, run_staggered, write_recipe
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from llmc.calib.driver import decoder_linears, layer_linears
@@ -266,17 +266,6 @@ def test_runtime_block_in_bfloat16_runs_the_int4_kernel(artifact):
     inputs = spread_inputs()
     with torch.no_grad():
         torch.testing.assert_close(block(inputs.bfloat16()).float(), runtime_block(folder, torch.float32)(inputs), rtol=0.05, atol=0.05)
-
-
-def run_staggered(llm: LLMEngine, prompts: list[str], params: SamplingParams, every: int = 3) -> list[list[int]]:
-    """One new request every `every` steps, so requests join and leave a running batch."""
-    pending, seqs, step = list(prompts), [], 0
-    while pending or llm.has_unfinished():
-        if pending and step % every == 0:
-            seqs.append(llm.add_request(pending.pop(0), params))
-        llm.step()
-        step += 1
-    return [seq.output_token_ids for seq in seqs]
 
 
 @pytest.mark.parametrize("compile", [False, pytest.param(True, marks=pytest.mark.slow)], ids=["eager", "compiled"])

@@ -57,7 +57,10 @@ def test_two_gloo_processes_write_the_one_process_artifact(tmp_path, tiny_llama,
     assert expected.keys() == got.keys()
     for name, tensor in expected.items():
         if tensor.dtype in CODES:
-            assert (unpacked(tensor) == unpacked(got[name])).float().mean() >= 0.995, name
+            # the first layer sees identical inputs; later ones inputs that carry its flipped codes, and flip more
+            share = 0.995 if name.startswith("model.layers.0.") else 0.97
+            equal = (unpacked(tensor) == unpacked(got[name])).float().mean()
+            assert equal >= share, f"{name}: {float(equal):.4f} of codes equal"
         elif name.endswith(".weight_scale"):
             # a later layer's GPTQ scales follow weights its error feedback moved, from a Hessian summed in another order
             # over inputs that already carry the earlier layers' flipped codes: a few groups land on another scale

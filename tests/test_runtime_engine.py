@@ -1,6 +1,6 @@
 import pytest
 import torch
-from conftest import CORPUS, write_recipe
+from conftest import CORPUS, run_staggered, write_recipe
 
 from llmc.errors import LlmcError
 from llmc.evals.loading import load_model
@@ -45,17 +45,6 @@ def reference(artifact) -> list[list[int]]:
 
 def engine(artifact, **overrides) -> LLMEngine:
     return LLMEngine(str(artifact), EngineConfig(dtype=torch.float32, **overrides))
-
-
-def run_staggered(llm: LLMEngine, prompts: list[str], params: SamplingParams, every: int = 3) -> list[list[int]]:
-    """One new request every `every` steps, so requests join and leave a running batch."""
-    pending, seqs, step = list(prompts), [], 0
-    while pending or llm.has_unfinished():
-        if pending and step % every == 0:
-            seqs.append(llm.add_request(pending.pop(0), params))
-        llm.step()
-        step += 1
-    return [seq.output_token_ids for seq in seqs]
 
 
 def assert_no_blocks_in_use(llm: LLMEngine):

@@ -220,19 +220,19 @@ def test_vllm_greedy_tokens_match_llmc(comparison, artifacts, name):
     # activation-quantized formats on a 135M model sit on near-ties that rounding flips (see the module's docstring):
     # then every divergence must be one, vLLM's token within NEAR_TIE nats of llmc's own choice under llmc
     prompts = chat_prompts(artifacts[name])
-    gaps = [llmc_gap(artifacts[name], prompt + theirs[: index + 1]) for prompt, theirs, index
+    gaps = [llmc_gap(artifacts[name], prompt + theirs[: index + 1], DTYPE) for prompt, theirs, index
             in zip(prompts, result["token_ids"], divergences) if index is not None]
     print(f"vllm-compat {name}: at each divergence, vLLM's token is {gaps} nats below llmc's choice under llmc")
     assert max(gaps) <= NEAR_TIE, f"{name}: llmc {result['llmc']} vs vLLM {result['token_ids']}"
 
 
-def llmc_gap(artifact: Path, token_ids: list[int]) -> float:
-    """How far below llmc's most likely token, in logprob under llmc, the last of token_ids is."""
+def llmc_gap(artifact: Path, token_ids: list[int], dtype: str) -> float:
+    """How far below llmc's most likely token, in logprob under llmc in dtype, the last of token_ids is."""
     from llmc.runtime.engine.config import EngineConfig
     from llmc.runtime.llm_engine import LLMEngine
     from llmc.runtime.sampling_params import SamplingParams
 
-    engine = LLMEngine(artifact, EngineConfig(dtype=getattr(torch, DTYPE), max_model_len=MAX_MODEL_LEN, kv_cache_gib=0.1))
+    engine = LLMEngine(artifact, EngineConfig(dtype=getattr(torch, dtype), max_model_len=MAX_MODEL_LEN, kv_cache_gib=0.1))
     last = engine.generate([token_ids], SamplingParams(max_tokens=0, prompt_logprobs=1))[0]["prompt_logprobs"][-1]
     return round(max(last.top_logprobs.values()) - last.logprob, 3)
 

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import build_tiny_model, write_recipe
-from test_vllm_compat import VLLM_ENV, first_divergence, venv_build, vllm_python  # noqa: F401 (fixtures)
+from test_vllm_compat import NEAR_TIE, VLLM_ENV, first_divergence, llmc_gap, venv_build, vllm_python  # noqa: F401 (fixtures)
 from transformers import AutoModelForCausalLM
 
 from llmc.models.families import FAMILIES
@@ -96,4 +96,10 @@ def test_vllm_loads_the_artifact_and_agrees_on_greedy_tokens(family, artifacts, 
                                                                                       ignore_eos=True))]
     divergences = [first_divergence(mine, other) for mine, other in zip(ours, theirs["token_ids"])]
     print(f"\n{family}: first divergence per prompt {divergences}")
-    assert divergences.count(None) >= 3 and all(index is None or index >= 8 for index in divergences), divergences
+    if divergences.count(None) >= 3 and all(index is None or index >= 8 for index in divergences):
+        return
+    # the engines' bfloat16 kernels round differently: every divergence must then be a near-tie under llmc
+    gaps = [llmc_gap(artifacts[family], prompt + other[: index + 1], DTYPE) for prompt, other, index
+            in zip(PROMPTS, theirs["token_ids"], divergences) if index is not None]
+    print(f"{family}: at each divergence, vLLM's token is {gaps} nats below llmc's choice under llmc")
+    assert max(gaps) <= NEAR_TIE, (divergences, gaps)
