@@ -102,8 +102,8 @@ def start_server(kind: str, model: Path, port: int, vllm: Path, llmc_args: list[
                                start_new_session=True)
     while time.perf_counter() - started < 600:
         if process.poll() is not None:
-            last = [line for line in log.read_text().splitlines() if "Error" in line][-1:] or ["(no error line)"]
-            raise RuntimeError(f"{kind} exited with {process.returncode} before serving ({log}): {last[0][-300:]}")
+            errors = [line for line in log.read_text().splitlines() if "Error: " in line] or ["(no error line)"]
+            raise RuntimeError(f"{kind} exited with {process.returncode} before serving ({log}): {errors[0][-300:]}")
         try:
             if httpx.get(f"http://127.0.0.1:{port}/v1/models", timeout=2).status_code == 200:
                 return process, time.perf_counter() - started
