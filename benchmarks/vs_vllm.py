@@ -98,8 +98,9 @@ def start_server(kind: str, model: Path, port: int, vllm: Path, llmc_args: list[
     command, extra_env = server_command(kind, model, port, vllm, llmc_args)
     started = time.perf_counter()
     log = ROOT / "artifacts" / f"vs-vllm-{kind}.log"
-    process = subprocess.Popen(command, env=os.environ | extra_env, stdout=open(log, "w"), stderr=subprocess.STDOUT,
-                               start_new_session=True)
+    with open(log, "w") as output:  # the server writes through its own copy of the descriptor
+        process = subprocess.Popen(command, env=os.environ | extra_env, stdout=output, stderr=subprocess.STDOUT,
+                                   start_new_session=True)
     while time.perf_counter() - started < 600:
         if process.poll() is not None:
             errors = [line for line in log.read_text().splitlines() if "Error: " in line] or ["(no error line)"]

@@ -23,6 +23,15 @@ def kv_attention(module: nn.Module, query, key, value, attention_mask, **kwargs)
     return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
 
 
+def visible_keys(query_len: int, key_len: int, window: int | None, device: torch.device) -> torch.Tensor:
+    """[query_len, key_len] True where a query (the last query_len of key_len positions) sees a key: causally, and
+    within its last `window` keys (itself included) when the layer attends in a sliding window."""
+    query_positions = torch.arange(key_len - query_len, key_len, device=device)[:, None]
+    key_positions = torch.arange(key_len, device=device)[None, :]
+    visible = key_positions <= query_positions
+    return visible if window is None else visible & (key_positions > query_positions - window)
+
+
 def softcapped_attention(query, key, value, attention_mask: torch.Tensor | None, scaling: float, softcap: float):
     """Gemma 2's attention (scores -> softcap * tanh(scores / softcap)), which SDPA cannot compute: [batch, heads,
     seq, dim] queries over grouped keys and values, causal or under a boolean (visible) or additive mask."""
@@ -30,8 +39,7 @@ def softcapped_attention(query, key, value, attention_mask: torch.Tensor | None,
     key, value = key.repeat_interleave(groups, dim=1), value.repeat_interleave(groups, dim=1)
     scores = torch.tanh(query @ key.transpose(2, 3) * scaling / softcap) * softcap
     if attention_mask is None:
-        query_len, key_len = scores.shape[-2:]
-        attention_mask = torch.ones(query_len, key_len, dtype=torch.bool, device=query.device).tril(key_len - query_len)
+        attention_mask = visible_keys(*scores.shape[-2:], None, query.device)
     if attention_mask.dtype == torch.bool:
         scores = scores.masked_fill(~attention_mask, float("-inf"))
     else:

@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from llmc.models.families import rope_layer_types, sliding_windows
+from llmc.quant.kvcache import visible_keys
 from llmc.quant.qtypes import QuantArgs, QuantizedWeight
 from llmc.quant.ranks import SINGLE, Ranks
 
@@ -79,9 +80,7 @@ def sliding_mask(seq_len: int, window: int | None, device: torch.device) -> torc
     """[1, 1, seq, seq] True where a query sees a key within its window; None (plain causal) when every key fits."""
     if window is None or window >= seq_len:
         return None
-    positions = torch.arange(seq_len, device=device)
-    visible = (positions[None, :] <= positions[:, None]) & (positions[None, :] > positions[:, None] - window)
-    return visible[None, None]
+    return visible_keys(seq_len, seq_len, window, device)[None, None]
 
 
 @dataclass

@@ -7,6 +7,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from llmc.quant.kvcache import softcapped_attention, visible_keys
 from llmc.quant.qtypes import QuantArgs, dequantize_columns, quantize_columns
 from llmc.runtime.cdiv import cdiv
 
@@ -159,8 +160,11 @@ def prefill_attention_reference(
     query_len = query.shape[0]
     keys = read_kv(gather_kv(k_cache, block_table, context_len), k_scale, query.dtype).transpose(0, 1)
     values = read_kv(gather_kv(v_cache, block_table, context_len), v_scale, query.dtype).transpose(0, 1)
-    if shape.softcap is not None:
-        return capped_attention(query.transpose(0, 1), keys, values, context_len, scale, shape).transpose(0, 1)
+    if shape.softcap is not None:  # SDPA has no soft cap; scores in float32, as decode computes them
+        visible = visible_keys(query_len, context_len, shape.window, query.device)
+        out, _ = softcapped_attention(query.transpose(0, 1)[None].float(), keys[None].float(), values[None].float(), visible,
+                                      scale, shape.softcap)
+        return out[0].to(query.dtype)
     if query_len == context_len and shape.window is None:
         mask, is_causal = None, True
     else:
@@ -169,28 +173,6 @@ def prefill_attention_reference(
         query.transpose(0, 1), keys, values, attn_mask=mask, is_causal=is_causal, scale=scale, enable_gqa=True
     )
     return out.transpose(0, 1)
-
-
-def visible_keys(query_len: int, context_len: int, window: int | None, device: torch.device) -> torch.Tensor:
-    """[query_len, context_len] True where the query (the last query_len positions) sees the key."""
-    query_positions = torch.arange(context_len - query_len, context_len, device=device)[:, None]
-    key_positions = torch.arange(context_len, device=device)[None, :]
-    visible = key_positions <= query_positions
-    return visible if window is None else visible & (key_positions > query_positions - window)
-
-
-def capped_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, context_len: int, scale: float,
-                     shape: ScoreShape) -> torch.Tensor:
-    """Attention with soft-capped scores (SDPA has no soft cap): [heads, q, d] over [kv_heads, context_len, d]."""
-    num_heads, query_len, head_dim = query.shape
-    num_kv_heads = keys.shape[0]
-    grouped = query.reshape(num_kv_heads, num_heads // num_kv_heads * query_len, head_dim).float()
-    scores = shape.capped(grouped @ keys.float().transpose(-1, -2) * scale)
-    scores = scores.view(num_kv_heads, num_heads // num_kv_heads, query_len, context_len)
-    visible = visible_keys(query_len, context_len, shape.window, query.device)
-    scores.masked_fill_(~visible, float("-inf"))
-    out = scores.softmax(-1).view(num_kv_heads, -1, context_len) @ values.float()
-    return out.view(num_heads, query_len, head_dim).to(query.dtype)
 
 
 class PagedAttention(nn.Module):
