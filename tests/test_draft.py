@@ -8,7 +8,8 @@ from conftest import CORPUS, write_recipe
 from transformers import AutoConfig
 
 from llmc.cli import cli
-from llmc.draft.build import held_out_split, medusa_rows, medusa_top1, most_frequent_tokens, train_draft, train_eagle
+from llmc.draft.build import medusa_rows, medusa_top1, train_draft, train_eagle
+from llmc.draft.vocabulary import held_out_split, most_frequent_tokens
 from llmc.draft.config import DraftConfig
 from llmc.draft.data import DistillSet, cached_self_distill, load_distill_set, save_distill_set
 from llmc.draft.losses import OUT_OF_VOCAB, TOKEN_LOSS_WEIGHT, eagle_loss, medusa_labels, medusa_loss, unrolled

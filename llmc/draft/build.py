@@ -10,19 +10,18 @@ from transformers import AutoConfig
 from llmc.artifact.writer import MANIFEST, write_manifest
 from llmc.draft.config import DraftConfig
 from llmc.draft.data import DistillSet, cached_self_distill
-from llmc.draft.losses import OUT_OF_VOCAB, eagle_loss, medusa_labels, medusa_loss, unrolled
+from llmc.draft.eagle3 import train_eagle3
+from llmc.draft.export import VLLM_DIR, VLLM_METHODS, export_for_vllm
+from llmc.draft.losses import eagle_loss, medusa_labels, medusa_loss, unrolled
 from llmc.draft.train import TrainConfig, train
+from llmc.draft.vocabulary import EAGLE_WINDOW, EVAL_BATCHES, draft_vocabulary, held_out_split
 from llmc.errors import LlmcError
 from llmc.prompts import check_prompt_files
 from llmc.runtime.models.loader import WeightLoader
 from llmc.runtime.speculative.eagle import EagleDraft, EagleShape
+from llmc.runtime.speculative.eagle3 import default_aux_layers
 from llmc.runtime.speculative.medusa import MedusaHeads
 from llmc.runtime.speculative.store import DRAFT_DIR, save_draft, save_heads
-
-EAGLE_WINDOW = 128  # tokens per training window (fewer when the answers are shorter)
-DRAFT_VOCAB_SIZE = 8192  # the draft guesses among the answers' most frequent tokens: its LM head costs a sixth of the target's
-EVAL_BATCHES = 8  # held-out batches the EAGLE draft's top-1 is measured on
-HELD_OUT_EVERY = 25  # every 25th answer stays out of training: the draft's top-1 on it is what serving can expect
 
 
 def train_draft(artifact: Path, config: DraftConfig, device: torch.device | str = "cpu") -> Path:
@@ -32,35 +31,50 @@ def train_draft(artifact: Path, config: DraftConfig, device: torch.device | str 
     if not (artifact / MANIFEST).is_file():
         raise LlmcError(f"{artifact} is not an llmc artifact (no {MANIFEST})")
     check_prompt_files(config.prompts)
+    aux_layers = eagle3_aux_layers(artifact, config) if config.method == "eagle3" else []
     started = time.perf_counter()
-    data = DistillSet.joined([cached_self_distill(artifact, Path(file), config.num_prompts, config.max_tokens, device)
-                              for file in config.prompts])
+    data = DistillSet.joined([cached_self_distill(artifact, Path(file), config.num_prompts, config.max_tokens, device,
+                                                  tuple(aux_layers)) for file in config.prompts])
     distill_s = time.perf_counter() - started
     folder = artifact / DRAFT_DIR
     if config.method == "eagle":
         summary = train_eagle(data, config, folder, artifact, device)
+    elif config.method == "eagle3":
+        summary = save_eagle3(data, config, aux_layers, folder, artifact, device)
     else:
         summary = train_medusa(data, config, folder, device)
     summary["train"] |= {"device": str(device), "distill_s": round(distill_s, 1), "total_s": round(time.perf_counter() - started, 1)}
     save_draft(folder, summary)
+    if summary["method"] in VLLM_METHODS:
+        export_for_vllm(folder, folder / VLLM_DIR)
     manifest = json.loads((artifact / MANIFEST).read_text())
     write_manifest(artifact, manifest | {"draft": summary})
     return folder
 
 
-def held_out_split(items: list) -> tuple[list, list]:
-    """(training, held out): every HELD_OUT_EVERY-th item, the first included, stays out of training when there are two or more."""
-    if len(items) < 2:
-        return items, []
-    return [item for index, item in enumerate(items) if index % HELD_OUT_EVERY], items[::HELD_OUT_EVERY]
+def eagle3_aux_layers(artifact: Path, config: DraftConfig) -> list[int]:
+    """The recipe's aux layers, checked against the model before any work; by default EAGLE-3's choice."""
+    num_layers = AutoConfig.from_pretrained(artifact).num_hidden_layers
+    layers = sorted(set(config.aux_layers or default_aux_layers(num_layers)))
+    if not 0 <= layers[0] <= layers[-1] <= num_layers:
+        raise LlmcError(f"draft.aux_layers {config.aux_layers}: {artifact}'s layers are numbered 0..{num_layers}")
+    return layers
 
 
-def draft_vocabulary(answers: list[torch.Tensor], vocab_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The answers' DRAFT_VOCAB_SIZE most frequent token ids, and every token id's index among them (OUT_OF_VOCAB if none)."""
-    vocab = most_frequent_tokens(answers, vocab_size, DRAFT_VOCAB_SIZE)
-    to_vocab = torch.full((vocab_size,), OUT_OF_VOCAB, dtype=torch.long)
-    to_vocab[vocab] = torch.arange(len(vocab))
-    return vocab, to_vocab
+def save_eagle3(data: DistillSet, config: DraftConfig, aux_layers: list[int], folder: Path, artifact: Path,
+                device: torch.device | str = "cpu") -> dict:
+    """Train an EAGLE-3 draft into folder; returns the summary that goes in its config.json."""
+    draft, trained = train_eagle3(data, config, aux_layers, folder, artifact, device)
+    summary = {
+        "method": "eagle3", "hidden_size": draft.config.target_hidden_size, "aux_layer_ids": aux_layers,
+        "config": draft.config.to_dict(),
+        "trained_on": {"prompts": config.prompts, "num_answers": len(data.token_ids), "num_held_out": trained["num_held_out"],
+                       "answer_tokens": data.num_answer_tokens},
+        "train": trained["train"],
+    }
+    save_heads(folder, draft)
+    save_draft(folder, summary)
+    return summary
 
 
 def medusa_rows(
@@ -118,13 +132,6 @@ def eagle_shape(artifact: Path, draft_vocab_size: int) -> EagleShape:
     rope_theta = (getattr(hf, "rope_parameters", None) or {}).get("rope_theta") or getattr(hf, "rope_theta", 10000.0)
     return EagleShape(hf.hidden_size, hf.num_attention_heads, hf.num_key_value_heads, hf.intermediate_size, rope_theta,
                       hf.rms_norm_eps, draft_vocab_size)
-
-
-def most_frequent_tokens(answers: list[torch.Tensor], vocab_size: int, size: int) -> torch.Tensor:
-    """The `size` token ids the answers use most (fewer when they use fewer), in id order."""
-    counts = torch.bincount(torch.cat(answers), minlength=vocab_size)
-    used = int((counts > 0).sum())
-    return counts.argsort(descending=True, stable=True)[: min(size, used)].sort().values
 
 
 def train_eagle(data: DistillSet, config: DraftConfig, folder: Path, artifact: Path,

@@ -5,21 +5,27 @@ from pydantic import Field, field_validator, model_validator
 
 from llmc.schema import StrictModel
 
+# training steps: Medusa heads learn fast; EAGLE's layers see 512 tokens a step (SmolLM2 on 2 cores: EAGLE ~25 min)
+STEPS = {"medusa": 300, "eagle": 6000, "eagle3": 4000}
+
 
 class DraftConfig(StrictModel):
     """Draft heads trained on the quantized model, by self-distillation on `prompts` (never the evaluation set)."""
 
-    method: Literal["medusa", "eagle"] = "medusa"
+    method: Literal["medusa", "eagle", "eagle3"] = "medusa"
     num_heads: int = Field(4, gt=0, le=8)  # Medusa heads
     # JSONL prompt files, each self-distilled and cached on its own: the project's templated requests and the
     # requests the default model itself writes (calib_data/README.md)
     prompts: list[str] = ["calib_data/draft_prompts.jsonl", "calib_data/sampled_prompts.jsonl"]
     num_prompts: int | None = Field(None, gt=0)  # at most this many prompts of each file; None: all of them
     max_tokens: int = Field(128, gt=0)  # answer length generated per prompt
-    steps: int | None = Field(None, gt=0)  # default: 300 for Medusa, 6000 for EAGLE (~25 min for SmolLM2 on 2 cores)
+    steps: int | None = Field(None, gt=0)  # default: STEPS of the method
     batch_size: int | None = Field(None, gt=0)  # rows (tokens) per step, default 128; EAGLE: windows of 128 tokens, default 512
     lr: float = Field(1e-3, gt=0)
     unroll: int = Field(3, gt=0, le=8)  # EAGLE: drafting steps unrolled in training, each fed the previous one's guess
+    # EAGLE-3: the target layers whose entering residual stream the draft fuses (0: the embeddings, num_layers: the
+    # last layer's output); None: EAGLE-3's low, middle and high choice (runtime.speculative.eagle3.default_aux_layers)
+    aux_layers: list[int] | None = Field(None, min_length=1)
     seed: int = 0
 
     @field_validator("prompts", mode="before")
@@ -29,7 +35,8 @@ class DraftConfig(StrictModel):
 
     @model_validator(mode="after")
     def _method_defaults(self) -> "DraftConfig":
-        eagle = self.method == "eagle"
-        self.steps = self.steps or (6000 if eagle else 300)
-        self.batch_size = self.batch_size or (512 if eagle else 128)
+        if self.aux_layers is not None and self.method != "eagle3":
+            raise ValueError(f"aux_layers: only an eagle3 draft fuses target layers, this one is {self.method}")
+        self.steps = self.steps or STEPS[self.method]
+        self.batch_size = self.batch_size or (128 if self.method == "medusa" else 512)
         return self

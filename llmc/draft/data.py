@@ -4,7 +4,8 @@ the generation itself, not a second pass over prompt + answer, which cost 40% as
 artifact's own weights dequantized onto dense matmuls (`EngineConfig.dense_weights`), in float32 on a CPU that only
 emulates bfloat16: the served model up to rounding, and on CPU much faster than torch's int4 kernel, whose time grows
 with the rows of a step (SmolLM2's two prompt sets: 43 min instead of 96 on a CPU with bfloat16 matmuls). The set is
-cached (safetensors) under LLMC_HOME/distill, one file per prompt file, keyed by the artifact, the prompts and the lengths."""
+cached (safetensors) under LLMC_HOME/distill, one file per prompt file, keyed by the artifact, the prompts, the lengths
+and the layers whose residual stream an EAGLE-3 draft fuses (kept beside the final states when asked for)."""
 import hashlib
 import json
 import os
@@ -35,6 +36,7 @@ class Answer:
     token_ids: list[int]  # prompt + the target's own answer
     hidden: torch.Tensor  # [len - 1, hidden] float32
     answer_start: int
+    aux: torch.Tensor | None = None  # [len - 1, layers * hidden] bfloat16: the residual stream entering the aux layers
 
 
 @dataclass(slots=True)
@@ -43,6 +45,7 @@ class DistillSet:
     hidden: list[torch.Tensor]  # [len - 1, hidden] float32 final hidden states, one per token but the last
     answer_starts: list[int]  # index of the first answer token
     lm_head: torch.Tensor  # [vocab, hidden] float32, the target's output projection as served
+    aux: list[torch.Tensor] | None = None  # [len - 1, layers * hidden] bfloat16 each, with aux layers
 
     @classmethod
     def joined(cls, parts: list["DistillSet"]) -> "DistillSet":
@@ -50,6 +53,7 @@ class DistillSet:
         return cls(
             [ids for part in parts for ids in part.token_ids], [hidden for part in parts for hidden in part.hidden],
             [start for part in parts for start in part.answer_starts], parts[0].lm_head,
+            None if parts[0].aux is None else [aux for part in parts for aux in part.aux],
         )
 
     @property
@@ -58,7 +62,7 @@ class DistillSet:
 
 
 def self_distill(artifact: Path, prompts_file: Path, num_prompts: int, max_tokens: int, parts: Path,
-                 device: torch.device | str = "cpu", max_len: int = 1024) -> DistillSet:
+                 device: torch.device | str = "cpu", max_len: int = 1024, aux_layers: tuple[int, ...] = ()) -> DistillSet:
     """The target's answers to the file's prompts, saved DISTILL_PART answers at a time into the folder `parts` as
     they finish: answers an interrupted run saved there are read back instead of generated again."""
     check_not_eval_set(prompts_file)
@@ -66,7 +70,7 @@ def self_distill(artifact: Path, prompts_file: Path, num_prompts: int, max_token
     dtype = torch.bfloat16 if native_bfloat16(str(device)) else torch.float32  # emulated bfloat16 is slower than float32
     engine = LLMEngine(artifact, EngineConfig(device=str(device),
         enable_prefix_caching=False, max_model_len=max_len, dtype=dtype, dense_weights=True, keep_hidden_states=True,
-        max_num_seqs=DISTILL_SEQS, max_num_batched_tokens=2 * 512, kv_cache_gib=DISTILL_KV_GIB,
+        max_num_seqs=DISTILL_SEQS, max_num_batched_tokens=2 * 512, kv_cache_gib=DISTILL_KV_GIB, aux_hidden_layers=aux_layers,
     ))
     prompts = distinct_prompts(prompts_file, num_prompts, engine.tokenizer)
     prompts = [prompt for prompt in prompts if len(engine.tokenize(prompt)) + max_tokens < engine.max_model_len]
@@ -76,12 +80,14 @@ def self_distill(artifact: Path, prompts_file: Path, num_prompts: int, max_token
     hidden_size = engine.runner.hf_config.hidden_size
     identity = torch.eye(hidden_size, dtype=engine.config.dtype, device=device)
     lm_head = engine.runner.model.compute_logits(identity).T.to("cpu", torch.float32)
-    return DistillSet(*columns([answers[index] for index in range(len(prompts))]), lm_head)
+    token_ids, hidden, answer_starts, aux = columns([answers[index] for index in range(len(prompts))])
+    return DistillSet(token_ids, hidden, answer_starts, lm_head, aux)
 
 
-def columns(answers: list[Answer]) -> tuple[list[list[int]], list[torch.Tensor], list[int]]:
-    """The answers' token ids, hidden states and answer starts, each as one list (DistillSet's fields)."""
-    return [a.token_ids for a in answers], [a.hidden for a in answers], [a.answer_start for a in answers]
+def columns(answers: list[Answer]) -> tuple[list[list[int]], list[torch.Tensor], list[int], list[torch.Tensor] | None]:
+    """The answers' token ids, hidden states, answer starts and aux features, each as one list (DistillSet's fields)."""
+    aux = None if answers[0].aux is None else [a.aux for a in answers]
+    return [a.token_ids for a in answers], [a.hidden for a in answers], [a.answer_start for a in answers], aux
 
 
 def answer_prompts(engine: LLMEngine, prompts: list[str], max_tokens: int, parts: Path) -> dict[int, Answer]:
@@ -94,7 +100,8 @@ def answer_prompts(engine: LLMEngine, prompts: list[str], max_tokens: int, parts
         while engine.has_unfinished():
             for output in filter(lambda output: output.finish_reason is not None, engine.step()):
                 seq = seqs.pop(output.request_id)  # every token but the last was computed once: the last is never fed back
-                finished[int(output.request_id)] = Answer(seq.token_ids, torch.cat(seq.hidden_states), seq.num_prompt_tokens)
+                aux = torch.cat(seq.aux_hidden_states).bfloat16() if seq.aux_hidden_states else None
+                finished[int(output.request_id)] = Answer(seq.token_ids, torch.cat(seq.hidden_states), seq.num_prompt_tokens, aux)
                 progress.update()
             if len(finished) >= DISTILL_PART or (finished and not engine.has_unfinished()):
                 save_answers(finished, parts / f"part-{len(list(parts.glob('part-*.safetensors'))):04d}.safetensors")
@@ -104,7 +111,7 @@ def answer_prompts(engine: LLMEngine, prompts: list[str], max_tokens: int, parts
 
 
 def cached_self_distill(artifact: Path, prompts_file: Path, num_prompts: int | None, max_tokens: int,
-                        device: torch.device | str = "cpu") -> DistillSet:
+                        device: torch.device | str = "cpu", aux_layers: tuple[int, ...] = ()) -> DistillSet:
     """num_prompts: the first this many prompts of the file; None: all of them. The set is the model's, wherever it
     was computed: a set distilled on one device serves training on another."""
     check_not_eval_set(prompts_file)
@@ -114,31 +121,35 @@ def cached_self_distill(artifact: Path, prompts_file: Path, num_prompts: int | N
     manifest["files"] = {name: digest for name, digest in manifest.get("files", {}).items() if not name.startswith(f"{DRAFT_DIR}/")}
     key = hashlib.sha256(b"\0".join([
         json.dumps(manifest, sort_keys=True).encode(), prompts_file.read_bytes(), f"{num_prompts},{max_tokens}".encode(),
-    ])).hexdigest()[:16]
+    ] + ([f"aux {list(aux_layers)}".encode()] if aux_layers else []))).hexdigest()[:16]
     path = llmc_home() / "distill" / f"{key}.safetensors"
     if path.is_file():
         return load_distill_set(path)
     parts = path.with_suffix(".parts")
-    data = self_distill(artifact, prompts_file, num_prompts, max_tokens, parts, device)
+    data = self_distill(artifact, prompts_file, num_prompts, max_tokens, parts, device, aux_layers=aux_layers)
     save_distill_set(data, path)
     shutil.rmtree(parts)
     return data
 
 
-def answer_tensors(token_ids: list[list[int]], hidden: list[torch.Tensor], answer_starts: list[int]) -> dict[str, torch.Tensor]:
+def answer_tensors(token_ids: list[list[int]], hidden: list[torch.Tensor], answer_starts: list[int],
+                   aux: list[torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
     """Hidden states are stored in bfloat16, the runtime's dtype; the float32 copies hold nothing more."""
     return {
         "token_ids": torch.tensor([token for ids in token_ids for token in ids]),
         "lengths": torch.tensor([len(ids) for ids in token_ids]),
         "answer_starts": torch.tensor(answer_starts),
         "hidden": torch.cat(hidden).bfloat16(),
-    }
+    } | ({"aux": torch.cat(aux).bfloat16()} if aux is not None else {})
 
 
-def read_answers(tensors: dict[str, torch.Tensor]) -> tuple[list[list[int]], list[torch.Tensor], list[int]]:
+def read_answers(tensors: dict[str, torch.Tensor]) -> tuple[list[list[int]], list[torch.Tensor], list[int], list[torch.Tensor] | None]:
+    """answer_tensors' columns back; aux features stay bfloat16 (three layers' of a large set would not fit as float32)."""
     lengths = tensors["lengths"].tolist()
     token_ids = [ids.tolist() for ids in tensors["token_ids"].split(lengths)]
-    return token_ids, list(tensors["hidden"].float().split([length - 1 for length in lengths])), tensors["answer_starts"].tolist()
+    sizes = [length - 1 for length in lengths]
+    aux = list(tensors["aux"].split(sizes)) if "aux" in tensors else None
+    return token_ids, list(tensors["hidden"].float().split(sizes)), tensors["answer_starts"].tolist(), aux
 
 
 def save_whole(tensors: dict[str, torch.Tensor], path: Path) -> None:
@@ -159,16 +170,18 @@ def load_parts(parts: Path) -> dict[int, Answer]:
     answers = {}
     for path in sorted(parts.glob("part-*.safetensors")):
         tensors = load_file(path)
-        for index, *answer in zip(tensors["prompt_indices"].tolist(), *read_answers(tensors)):
-            answers[index] = Answer(*answer)
+        token_ids, hidden, answer_starts, aux = read_answers(tensors)
+        for row, index in enumerate(tensors["prompt_indices"].tolist()):
+            answers[index] = Answer(token_ids[row], hidden[row], answer_starts[row], None if aux is None else aux[row])
     return answers
 
 
 def save_distill_set(data: DistillSet, path: Path) -> None:
-    tensors = answer_tensors(data.token_ids, data.hidden, data.answer_starts)
+    tensors = answer_tensors(data.token_ids, data.hidden, data.answer_starts, data.aux)
     save_whole(tensors | {"lm_head": data.lm_head.bfloat16().contiguous()}, path)
 
 
 def load_distill_set(path: Path) -> DistillSet:
     tensors = load_file(path)
-    return DistillSet(*read_answers(tensors), lm_head=tensors["lm_head"].float())
+    token_ids, hidden, answer_starts, aux = read_answers(tensors)
+    return DistillSet(token_ids, hidden, answer_starts, tensors["lm_head"].float(), aux)

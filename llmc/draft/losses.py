@@ -1,9 +1,11 @@
-"""The losses draft heads train with: Medusa's per-head cross-entropy, and EAGLE's feature regression plus token
-loss, unrolled over several drafting steps as serving drafts (EAGLE-3's training-time test)."""
+"""The losses draft heads train with: Medusa's per-head cross-entropy, EAGLE's feature regression plus token loss,
+and EAGLE-3's token loss against the target's distribution, both unrolled over several drafting steps as serving
+drafts (EAGLE-3's training-time test)."""
 import torch
 import torch.nn.functional as F
 
 from llmc.runtime.speculative.eagle import EagleDraft
+from llmc.runtime.speculative.eagle3 import Eagle3Draft
 from llmc.runtime.speculative.medusa import MedusaHeads
 
 LOSS_DECAY = 0.8  # weight of Medusa head k is LOSS_DECAY ** k: far guesses are rarely accepted, so they matter less
@@ -27,7 +29,7 @@ def medusa_loss(heads: MedusaHeads, hidden: torch.Tensor, labels: torch.Tensor) 
 
 
 def unrolled(
-    draft: EagleDraft, features: torch.Tensor, embeddings: torch.Tensor, positions: torch.Tensor, unroll: int
+    draft: EagleDraft | Eagle3Draft, features: torch.Tensor, embeddings: torch.Tensor, positions: torch.Tensor, unroll: int
 ) -> list[torch.Tensor]:
     """Windows of `tokens` pairs drafted `unroll` steps deep as in serving (EAGLE-3's training-time test): step
     s > 0 feeds the features step s - 1 predicted back in with the tokens after them, attending to the true
@@ -63,3 +65,23 @@ def eagle_loss(draft: EagleDraft, features: torch.Tensor, embeddings: torch.Tens
         token_loss = F.cross_entropy(predicted[in_vocab] @ lm_head.T, step_labels[in_vocab])
         total = total + feature_loss + TOKEN_LOSS_WEIGHT * token_loss
     return total / unroll
+
+
+def eagle3_loss(draft: Eagle3Draft, aux: torch.Tensor, embeddings: torch.Tensor, positions: torch.Tensor,
+                target_hidden: torch.Tensor, valid: torch.Tensor, lm_head: torch.Tensor, unroll: int) -> torch.Tensor:
+    """`unrolled` from the fused target features, each step's cross-entropy against the target's own next-token
+    distribution over the draft vocabulary (soft labels: the target's logits carry more than its greedy token),
+    step s weighted LOSS_DECAY ** s. aux [batch, tokens, layers * hidden], target_hidden [batch, tokens + unroll - 1,
+    hidden] the target's final states one position on (whose logits rank the token each step guesses), valid
+    [batch, tokens + unroll - 1] where that token is an answer token the draft can guess, lm_head [vocab, hidden]
+    the target's rows of the draft vocabulary."""
+    tokens = positions.shape[1]
+    total, weights = aux.new_zeros((), dtype=torch.float32), 0.0
+    for step, predicted in enumerate(unrolled(draft, draft.combine(aux), embeddings, positions, unroll)):
+        rows = valid[:, step : step + tokens]
+        with torch.no_grad():
+            target = (target_hidden[:, step : step + tokens][rows] @ lm_head.T).float().softmax(-1)
+        log_probs = draft.logits(predicted[rows]).float().log_softmax(-1)
+        total = total + LOSS_DECAY**step * -(target * log_probs).sum() / rows.sum().clamp(min=1)
+        weights += LOSS_DECAY**step
+    return total / weights

@@ -37,6 +37,9 @@ class EngineConfig:
     # every sequence keeps the final hidden state (float32) of each token it computes, in Sequence.hidden_states:
     # self-distillation reads the features it trains on from the generation itself instead of a second pass
     keep_hidden_states: bool = False
+    # with keep_hidden_states, the residual stream entering these layers is kept too (Sequence.aux_hidden_states,
+    # float32, joined in layer order): the features an EAGLE-3 draft fuses, in vLLM's numbering (0: the embeddings)
+    aux_hidden_layers: tuple[int, ...] = ()
     enforce_eager: bool = False  # CUDA: run decode steps eagerly instead of replaying captured CUDA graphs
     # CPU: torch.compile the decoder layers' pieces around the attention (engine/compiled.py), compiled at start and
     # cached on disk. Float32 greedy output still equals transformers'; bfloat16 output may depend on the batch (a

@@ -61,6 +61,10 @@ class ModelRunner:
         arch = architecture_of(hf_config)  # refuses a family the runtime does not serve
         if config.keep_hidden_states and (config.enable_prefix_caching or config.speculative is not None):
             raise LlmcError("keeping hidden states needs every token computed once, in order: no prefix caching, no drafts")
+        if config.aux_hidden_layers and not config.keep_hidden_states:
+            raise LlmcError("aux_hidden_layers are kept with keep_hidden_states only")
+        if any(not 0 <= index <= hf_config.num_hidden_layers for index in config.aux_hidden_layers):
+            raise LlmcError(f"aux_hidden_layers {list(config.aux_hidden_layers)}: this model's layers are 0..{hf_config.num_hidden_layers}")
         self.hf_config = hf_config
         self.keep_hidden_states = config.keep_hidden_states
         self.block_size = config.block_size
@@ -76,13 +80,15 @@ class ModelRunner:
             self.num_blocks * config.block_size,  # one sequence must always fit, or preemption could not help
         )
         self.model = LlamaForCausalLM(hf_config, weights, self.max_model_len)
+        self.model.aux_layer_ids = tuple(sorted(set(config.aux_hidden_layers)))
         self.amx_s = amx_int4(self.model, config.max_eager_int4_rows) if uses_amx(config) else None
         self.compile_s = None
         if config.compile:
             self.compile_s = compile_decoder_layers(self.model.layers, hf_config.hidden_size, config.dtype, config.device)
         # windows and soft caps decode on the torch reference, whose buckets are worked out on the host: no graphs
         plain_attention = not arch.any_window and arch.attention_softcap is None
-        use_graphs = DecodeGraphs.supported(config.device) and not config.enforce_eager and config.speculative is None and plain_attention
+        use_graphs = (DecodeGraphs.supported(config.device) and not config.enforce_eager and config.speculative is None
+                      and plain_attention and not config.aux_hidden_layers)  # a graph's outputs are its final states only
         # with graphs, one block past those the block manager hands out takes the K/V of padding rows
         self.kv_cache = torch.zeros(
             2, num_layers, self.num_blocks + use_graphs, config.block_size, num_kv_heads, head_dim, dtype=kv_dtype,
@@ -194,12 +200,16 @@ class ModelRunner:
             return self.graphs.replay(input_ids, positions, metadata)
         return self.model(input_ids, positions, metadata)
 
-    @staticmethod
-    def _keep_hidden_states(seqs: list[Sequence], hidden: torch.Tensor) -> None:
-        for seq, states in zip(seqs, hidden.split([seq.num_scheduled_tokens for seq in seqs])):
+    def _keep_hidden_states(self, seqs: list[Sequence], hidden: torch.Tensor) -> None:
+        sizes = [seq.num_scheduled_tokens for seq in seqs]
+        aux = self.model.aux_hidden
+        for seq, states, aux_states in zip(seqs, hidden.split(sizes), aux.split(sizes) if aux is not None else [None] * len(seqs)):
             if seq.num_computed_tokens == 0:  # a preempted sequence starts again from its first token
                 seq.hidden_states.clear()
+                seq.aux_hidden_states.clear()
             seq.hidden_states.append(states.to("cpu", torch.float32))  # host memory: a long distillation outgrows a GPU's
+            if aux_states is not None:
+                seq.aux_hidden_states.append(aux_states.to("cpu", torch.float32))
 
     def _record_prompt_logprobs(self, seqs: list[Sequence], hidden: torch.Tensor) -> None:
         """For sequences that ask for them, the logprobs of the prompt tokens this step's chunk predicts (each row

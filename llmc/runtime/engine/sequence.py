@@ -40,6 +40,7 @@ class Sequence:
         # with params.prompt_logprobs: each prompt token's under the tokens before it (none for the first)
         self.prompt_logprobs: list[SampledToken | None] = [None]
         self.hidden_states: list[torch.Tensor] = []  # with EngineConfig.keep_hidden_states: one chunk a step, in order
+        self.aux_hidden_states: list[torch.Tensor] = []  # and with EngineConfig.aux_hidden_layers: their chunks
         self.text = ""  # the decoded output, cut at a stop string
         self.num_emitted_chars = 0  # how much of text has been streamed out
         self.finish_reason: str | None = None

@@ -115,6 +115,10 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head = DenseLinear(LinearWeight(self.embed_tokens.data), weights.dtype, weights.device)
         else:
             self.lm_head = weights.linear(["lm_head"])
+        # EAGLE-3's auxiliary features: the residual stream entering these layers (len(layers): leaving the last),
+        # joined in layer order into aux_hidden [tokens, len(aux_layer_ids) * hidden] by every forward
+        self.aux_layer_ids: tuple[int, ...] = ()
+        self.aux_hidden: torch.Tensor | None = None
 
     def attention_layers(self) -> list[PagedAttention]:
         return [layer.self_attn.attn for layer in self.layers]
@@ -126,9 +130,14 @@ class LlamaForCausalLM(nn.Module):
         return hidden
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata) -> torch.Tensor:
-        hidden = self.embed(input_ids)
-        for layer in self.layers:
+        hidden, aux = self.embed(input_ids), []
+        for index, layer in enumerate(self.layers):
+            if index in self.aux_layer_ids:
+                aux.append(hidden)
             hidden = layer(positions, hidden, metadata)
+        if len(self.layers) in self.aux_layer_ids:
+            aux.append(hidden)
+        self.aux_hidden = torch.cat(aux, -1) if aux else None
         return self.norm(hidden)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

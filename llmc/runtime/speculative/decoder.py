@@ -26,6 +26,11 @@ class SpeculativeDecoder:
         if self.draft_config["hidden_size"] != runner.hf_config.hidden_size:
             raise LlmcError(f"{folder} was trained for hidden size {self.draft_config['hidden_size']}, "
                             f"this model has {runner.hf_config.hidden_size}")
+        aux_layers = tuple(self.draft_config.get("aux_layer_ids", ()))  # EAGLE-3 reads these layers' features
+        if any(not 0 <= index <= runner.hf_config.num_hidden_layers for index in aux_layers):
+            raise LlmcError(f"{folder} reads layers {list(aux_layers)}, this model's are 0..{runner.hf_config.num_hidden_layers}")
+        runner.model.aux_layer_ids = aux_layers
+        self.model = runner.model
         self.proposer = build_proposer(self.draft_config, heads, runner.model, config)
         self.num_tokens = self.proposer.max_depth
         self.max_num_seqs = config.speculative_max_num_seqs
@@ -51,6 +56,7 @@ class SpeculativeDecoder:
                     for seq, start, end in chunks if seq.num_computed_tokens + seq.num_scheduled_tokens >= len(seq)]
         rows = [row for _, _, end, root in verified for row in range(root, end)]
         logits = self.compute_logits(hidden[rows]) if rows else None  # one LM-head matmul for the whole batch
+        features = hidden if self.model.aux_hidden is None else self.model.aux_hidden  # what the draft reads
         outputs, observed, offset = {}, [], 0
         for seq, start, end, root in verified:
             path, tokens = self._verify(seq, seq.draft.truncated(end - root - 1), logits[offset : offset + end - root])
@@ -59,12 +65,12 @@ class SpeculativeDecoder:
             outputs[seq] = tokens
             kept = list(range(start, root + 1)) + [root + 1 + node for node in path]
             known = seq.token_ids[seq.num_computed_tokens + 1 :] + [token.token_id for token in tokens]
-            observed.append(Observed(seq, seq.num_computed_tokens, hidden[kept], known, True))
+            observed.append(Observed(seq, seq.num_computed_tokens, features[kept], known, True))
         for seq, start, end in chunks:
             if seq not in outputs:  # a prefill chunk that does not reach the last token
                 first = seq.num_computed_tokens + 1
                 next_token_ids = seq.token_ids[first : first + end - start]
-                observed.append(Observed(seq, seq.num_computed_tokens, hidden[start:end], next_token_ids, False))
+                observed.append(Observed(seq, seq.num_computed_tokens, features[start:end], next_token_ids, False))
         proposing = time.perf_counter()
         self.drafting = self._propose(observed, outputs)
         finished = time.perf_counter()

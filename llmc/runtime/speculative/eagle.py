@@ -42,6 +42,10 @@ class EagleDraft(nn.Module):
         exponents = torch.arange(0, self.head_dim, 2, dtype=torch.float32) / self.head_dim
         self.inv_freq = 1.0 / shape.rope_theta**exponents  # not a buffer: it stays float32 when the layer is cast
 
+    @property
+    def num_kv_heads(self) -> int:
+        return self.shape.num_kv_heads
+
     def forward(
         self, features: torch.Tensor, embeddings: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor,
         past: tuple[torch.Tensor, torch.Tensor] | None = None,

@@ -15,6 +15,7 @@ from llmc.runtime.engine.sequence import Sequence
 from llmc.runtime.models.llama import LlamaForCausalLM
 from llmc.runtime.speculative.draft_weights import int8_linear, with_int8_linears
 from llmc.runtime.speculative.eagle import EagleDraft
+from llmc.runtime.speculative.eagle3 import Eagle3Draft
 from llmc.runtime.speculative.medusa import MedusaHeads
 from llmc.runtime.speculative.shape import DEFAULT_SHAPES
 
@@ -88,18 +89,24 @@ class EagleCache:
 
 class EagleProposer:
     """Feeds every (feature, next token) pair the target computes into the EAGLE layer, then drafts a tree from its
-    last prediction: each level expands the top_k tokens of every node of the level above, keeps the top_k most
+    last prediction. EAGLE predicts the target's next final feature, which the target's LM head rows of the draft
+    vocabulary rank; EAGLE-3 reads the target's fused aux features and ranks tokens with its own normed LM head.
+    Each level expands the top_k tokens of every node of the level above, keeps the top_k most
     probable paths (the product of the draft's own probabilities, EAGLE-2's confidence) and feeds their predicted
     features back in; the num_nodes most probable nodes of log-probability at least min_score are proposed, and no level
     is drafted below one where no path reaches min_score (EAGLE-2's dynamic tree: the draft's confidence tracks
     its acceptance, so an unsure draft costs neither drafting nor verification). top_k 1 drafts a chain."""
 
-    def __init__(self, draft: EagleDraft, model: LlamaForCausalLM, depth: int, num_nodes: int, top_k: int, min_score: float):
+    def __init__(self, draft: EagleDraft | Eagle3Draft, model: LlamaForCausalLM, depth: int, num_nodes: int, top_k: int,
+                 min_score: float):
         self.draft, self.model = draft, model
-        hidden_size = draft.shape.hidden_size
-        identity = torch.eye(hidden_size, dtype=model.embed_tokens.dtype, device=model.embed_tokens.device)
-        rows = model.compute_logits(identity)[:, draft.vocab].T  # the target's LM head over the draft vocabulary
-        self.lm_head = int8_linear(rows, None, model.embed_tokens.dtype, str(model.embed_tokens.device))
+        self.vocab = draft.vocab.cpu()
+        if isinstance(draft, Eagle3Draft):
+            self.combine, self.guess = draft.combine, draft.logits
+        else:
+            identity = torch.eye(draft.shape.hidden_size, dtype=model.embed_tokens.dtype, device=model.embed_tokens.device)
+            rows = model.compute_logits(identity)[:, draft.vocab].T  # the target's LM head over the draft vocabulary
+            self.combine, self.guess = nn.Identity(), int8_linear(rows, None, model.embed_tokens.dtype, str(model.embed_tokens.device))
         self.max_depth, self.num_nodes, self.top_k, self.min_score = depth, num_nodes, top_k, min_score
         self.caches: WeakKeyDictionary[Sequence, EagleCache] = WeakKeyDictionary()
         self.pending: WeakKeyDictionary[Sequence, list[Observed]] = WeakKeyDictionary()
@@ -128,12 +135,13 @@ class EagleProposer:
 
     def _commit(self, item: Observed) -> EagleCache:
         like = item.features
-        empty = torch.empty(1, 0, self.draft.shape.num_kv_heads, self.draft.head_dim, dtype=like.dtype, device=like.device)
+        empty = torch.empty(1, 0, self.draft.num_kv_heads, self.draft.head_dim, dtype=like.dtype, device=like.device)
         cache = self.caches.setdefault(item.seq, EagleCache(empty, empty, item.first_position))
         skip = max(0, cache.next_position - item.first_position)  # recomputed after a preemption: already in
         features, token_ids = item.features[skip:], item.next_token_ids[skip : len(item.features)]
         if not len(features):
             return cache
+        features = self.combine(features)
         start = max(cache.next_position, item.first_position)
         positions = torch.arange(start, start + len(features), device=features.device)
         mask = torch.ones(len(features), cache.keys.shape[1] + len(features), dtype=torch.bool, device=features.device)
@@ -150,8 +158,8 @@ class EagleProposer:
         columns: dict[int, int] = {}  # the key column of each node fed into the layer
         frontier, frontier_features = [ROOT], cache.last_output[None]
         for depth in range(1, self.max_depth + 1):
-            top = self.lm_head(frontier_features).float().log_softmax(-1).cpu().topk(self.top_k, dim=-1)
-            parents, level = frontier, add_level(tree, scores, frontier, top.values, self.draft.vocab[top.indices])
+            top = self.guess(frontier_features).float().log_softmax(-1).cpu().topk(self.top_k, dim=-1)
+            parents, level = frontier, add_level(tree, scores, frontier, top.values, self.vocab[top.indices])
             # a path below min_score has no descendant above it: only the confident nodes are worth expanding
             level = [node for node in level if scores[node] >= self.min_score]
             if depth == self.max_depth or not level:
@@ -200,7 +208,7 @@ def most_probable_nodes(tree: DraftTree, scores: list[float], num_nodes: int, mi
 
 
 def build_proposer(draft_config: dict, heads: nn.Module, model: LlamaForCausalLM, config: EngineConfig):
-    if draft_config["method"] not in ("medusa", "eagle"):
+    if draft_config["method"] not in DEFAULT_SHAPES:
         raise LlmcError(f"unknown draft method {draft_config['method']!r}")
     default = DEFAULT_SHAPES[draft_config["method"]]
     depth = config.num_speculative_tokens or default.depth

@@ -11,4 +11,4 @@ class DraftShape:
     min_confidence: float
 
 
-DEFAULT_SHAPES = {"medusa": DraftShape(None, 7, 0.0), "eagle": DraftShape(4, 7, 0.3)}
+DEFAULT_SHAPES = {"medusa": DraftShape(None, 7, 0.0), "eagle": DraftShape(4, 7, 0.3), "eagle3": DraftShape(4, 7, 0.3)}

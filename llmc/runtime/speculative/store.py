@@ -1,13 +1,16 @@
-"""A draft folder inside the artifact: config.json (method, sizes, how it was trained) and heads.safetensors."""
+"""A draft folder inside the artifact: config.json (method, sizes, how it was trained) and heads.safetensors; an
+EAGLE-3 draft also holds vllm/, the same weights in the layout vLLM loads (draft.export)."""
 import json
 from pathlib import Path
 
 import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
+from transformers import LlamaConfig
 
 from llmc.errors import LlmcError
 from llmc.runtime.speculative.eagle import EagleDraft, EagleShape
+from llmc.runtime.speculative.eagle3 import Eagle3Draft
 from llmc.runtime.speculative.medusa import MedusaHeads
 
 DRAFT_DIR = "draft"
@@ -38,6 +41,8 @@ def load_draft(folder: Path, dtype: torch.dtype, device: str) -> tuple[dict, nn.
         heads = MedusaHeads(config["hidden_size"], config["num_heads"], config["draft_vocab_size"])
     elif config.get("method") == "eagle":
         heads = EagleDraft(EagleShape(**config["shape"]))
+    elif config.get("method") == "eagle3":
+        heads = Eagle3Draft(LlamaConfig(**config["config"]))
     else:
         raise LlmcError(f"{folder}: unknown draft method {config.get('method')!r}")
     heads.load_state_dict(load_file(folder / WEIGHTS))

@@ -1,0 +1,77 @@
+"""EAGLE-3 training on self-distilled answers: windows of (fused target features at t, token t + 1) pairs, drafted
+`unroll` steps deep as serving drafts; step s at row t guesses token t + s + 2 against the target's distribution
+there. The draft's LM head starts from the target's rows of the draft vocabulary, its final norm from the target's."""
+from pathlib import Path
+
+import torch
+from transformers import AutoConfig
+
+from llmc.draft.config import DraftConfig
+from llmc.draft.data import DistillSet
+from llmc.draft.losses import eagle3_loss, unrolled
+from llmc.draft.train import TrainConfig, train
+from llmc.draft.vocabulary import EAGLE_WINDOW, EVAL_BATCHES, draft_vocabulary, held_out_split
+from llmc.runtime.models.loader import WeightLoader
+from llmc.runtime.speculative.eagle3 import Eagle3Draft, eagle3_config
+
+
+def train_eagle3(data: DistillSet, config: DraftConfig, aux_layers: list[int], folder: Path, artifact: Path,
+                 device: torch.device | str = "cpu") -> tuple[Eagle3Draft, dict]:
+    """The trained draft and its training summary (the train-draft summary's fields)."""
+    weights = WeightLoader(artifact, torch.float32, "cpu")
+    embeddings = weights.tensor("model.embed_tokens.weight")
+    unroll = config.unroll
+    window_len = min(EAGLE_WINDOW, max(len(ids) for ids in data.token_ids) - unroll - 1)
+    columns = zip(data.token_ids, data.hidden, data.aux, data.answer_starts)
+    seqs = [(torch.tensor(ids), hidden, aux, start) for ids, hidden, aux, start in columns
+            if len(ids) >= window_len + unroll + 1 and start + 1 < len(ids)]
+    training, held_out = held_out_split(seqs)
+    vocab, to_vocab = draft_vocabulary([ids[start:] for ids, _, _, start in training], len(data.lm_head))
+    lm_head = data.lm_head[vocab].to(device)
+    draft = Eagle3Draft(eagle3_config(AutoConfig.from_pretrained(artifact), aux_layers, len(vocab)))
+    draft.set_vocab(vocab)
+    with torch.no_grad():
+        draft.lm_head.weight.copy_(data.lm_head[vocab])
+        draft.norm.weight.copy_(weights.tensor("model.norm.weight"))
+    generator = torch.Generator().manual_seed(config.seed)
+    num_windows = max(1, config.batch_size // window_len)
+
+    def window(ids: torch.Tensor, hidden: torch.Tensor, aux: torch.Tensor, answer_start: int) -> tuple[torch.Tensor, ...]:
+        """Rows start..end - 1, and the unroll - 1 tokens and target states past them that the deeper steps need."""
+        first = max(0, min(answer_start - 2 - window_len // 4, len(ids) - window_len - unroll - 1))
+        start = int(torch.randint(first, len(ids) - window_len - unroll, (), generator=generator))
+        end = start + window_len
+        guessed = torch.arange(start + 2, end + unroll + 1)  # the token each (row, step) guesses
+        labels = torch.where(guessed >= answer_start, to_vocab[ids[start + 2 : end + unroll + 1]], -100)
+        return (aux[start:end].float(), embeddings[ids[start + 1 : end + unroll]], torch.arange(start, end),
+                hidden[start + 1 : end + unroll], labels)
+
+    def batch(pool: list) -> list[torch.Tensor]:
+        picks = torch.randint(len(pool), (num_windows,), generator=generator).tolist()
+        return [torch.stack(parts).to(device) for parts in zip(*(window(*pool[index]) for index in picks))]
+
+    def loss_fn(step: int) -> torch.Tensor:
+        aux, embedded, positions, target_hidden, labels = batch(training)
+        return eagle3_loss(draft, aux, embedded, positions, target_hidden, labels >= 0, lm_head, unroll)
+
+    def top1_per_step(pool: list, num_batches: int) -> list[float]:
+        """Per drafting step, the share of answer tokens the draft ranks first (out-of-vocabulary ones count as missed)."""
+        hits, counted = torch.zeros(unroll), torch.zeros(unroll)
+        with torch.no_grad():
+            for _ in range(num_batches):
+                aux, embedded, positions, _, labels = batch(pool)
+                for step, predicted in enumerate(unrolled(draft, draft.combine(aux), embedded, positions, unroll)):
+                    step_labels = labels[:, step : step + window_len]
+                    answer = step_labels != -100
+                    hits[step] += (draft.logits(predicted).argmax(-1) == step_labels)[answer].sum().cpu()
+                    counted[step] += answer.sum().cpu()
+        return [round(value, 4) for value in (hits / counted.clamp(min=1)).tolist()]
+
+    losses = train(draft, loss_fn, TrainConfig(steps=config.steps, lr=config.lr, seed=config.seed), folder, "eagle-3 draft", device)
+    summary = {
+        "train": {"steps": config.steps, "batch_size": num_windows * window_len, "lr": config.lr, "final_loss": losses[-1],
+                  "unroll": unroll, "train_top1_per_step": top1_per_step(training, 1),
+                  "heldout_top1_per_step": top1_per_step(held_out, EVAL_BATCHES) if held_out else None},
+        "num_held_out": len(held_out),
+    }
+    return draft.cpu(), summary

@@ -1,0 +1,134 @@
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig
+
+from llmc.draft.build import eagle3_aux_layers, save_eagle3
+from llmc.draft.config import DraftConfig
+from llmc.draft.data import load_distill_set, save_distill_set, self_distill
+from llmc.draft.export import VLLM_DIR, export_for_vllm
+from llmc.draft.losses import eagle3_loss
+from llmc.errors import LlmcError
+from llmc.runtime.engine.config import EngineConfig
+from llmc.runtime.llm_engine import LLMEngine
+from llmc.runtime.sampling_params import SamplingParams
+from llmc.runtime.speculative.eagle3 import ARCHITECTURE, Eagle3Draft, default_aux_layers, eagle3_config
+from llmc.runtime.speculative.store import load_draft
+
+AUX_LAYERS = (0, 1, 2)  # the tiny model's two layers: the embeddings, between the layers, the last layer's output
+
+
+@pytest.fixture(scope="module")
+def distilled_aux(tmp_path_factory, tiny_llama, calib_file):
+    return self_distill(tiny_llama, calib_file, 6, 24, tmp_path_factory.mktemp("parts"), aux_layers=AUX_LAYERS)
+
+
+@pytest.fixture(scope="module")
+def eagle3_folder(tmp_path_factory, tiny_llama, distilled_aux) -> Path:
+    folder = tmp_path_factory.mktemp("eagle3")
+    config = DraftConfig(method="eagle3", steps=150, batch_size=64, lr=3e-3)
+    save_eagle3(distilled_aux, config, list(AUX_LAYERS), folder, tiny_llama)
+    return folder
+
+
+def test_default_aux_layers_are_low_middle_and_high():
+    assert default_aux_layers(32) == [2, 16, 29]  # Llama-3.1-8B: vLLM's and EAGLE-3's choice
+    assert default_aux_layers(30) == [2, 15, 27]  # SmolLM2-135M
+    assert default_aux_layers(2) == [0, 1, 2]
+
+
+def test_kept_aux_features_are_transformers_hidden_states_entering_those_layers(tiny_llama, distilled_aux):
+    model = AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.float32)
+    ids, aux = distilled_aux.token_ids[0], distilled_aux.aux[0]
+    with torch.no_grad():
+        states = model(torch.tensor([ids]), output_hidden_states=True).hidden_states  # [0]: embeddings; the last is normed
+    hidden = model.config.hidden_size
+    assert aux.dtype == torch.bfloat16 and aux.shape == (len(ids) - 1, len(AUX_LAYERS) * hidden)
+    for column, layer in enumerate(AUX_LAYERS[:-1]):
+        torch.testing.assert_close(aux[:, column * hidden : (column + 1) * hidden].float(), states[layer][0, :-1], rtol=1e-2, atol=1e-2)
+    last = model.model.norm(aux[:, -hidden:].float())  # the last layer's output, before the final norm
+    torch.testing.assert_close(last, states[-1][0, :-1], rtol=2e-2, atol=2e-2)
+
+
+def test_aux_features_round_trip_through_the_distillation_cache(tmp_path, distilled_aux):
+    save_distill_set(distilled_aux, tmp_path / "set.safetensors")
+    loaded = load_distill_set(tmp_path / "set.safetensors")
+    assert all(torch.equal(a, b) for a, b in zip(loaded.aux, distilled_aux.aux))
+
+
+def test_eagle3_loss_is_the_cross_entropy_against_the_target_distribution():
+    config = eagle3_config(LlamaConfig(hidden_size=16, intermediate_size=32, num_attention_heads=2, num_key_value_heads=1,
+                                       num_hidden_layers=4, vocab_size=40), [0, 2, 4], draft_vocab_size=10)
+    torch.manual_seed(0)
+    draft = Eagle3Draft(config)
+    lm_head = torch.randn(10, 16)
+    aux, embeddings, target_hidden = torch.randn(1, 5, 48), torch.randn(1, 5, 16), torch.randn(1, 5, 16)
+    valid = torch.ones(1, 5, dtype=torch.bool)
+    loss = eagle3_loss(draft, aux, embeddings, torch.arange(5)[None], target_hidden, valid, lm_head, unroll=1)
+    out, _, _ = draft(draft.combine(aux), embeddings, torch.arange(5)[None], torch.ones(5, 5, dtype=torch.bool).tril())
+    expected = -(torch.softmax(target_hidden @ lm_head.T, -1) * draft.logits(out).log_softmax(-1)).sum(-1).mean()
+    torch.testing.assert_close(loss, expected)
+    # a draft whose logits equal the target's reaches the target's entropy, the least possible
+    assert loss > -(torch.softmax(target_hidden @ lm_head.T, -1) * torch.log_softmax(target_hidden @ lm_head.T, -1)).sum(-1).mean()
+
+
+@pytest.mark.parametrize("tree_nodes", [0, 6], ids=["chain", "tree"])
+@pytest.mark.parametrize("max_num_seqs, max_num_batched_tokens", [(1, 512), (4, 7)])
+def test_eagle3_greedy_output_equals_plain_decoding(tiny_llama, distilled_aux, eagle3_folder, tree_nodes, max_num_seqs,
+                                                    max_num_batched_tokens):
+    prompts = [ids[:start] for ids, start in zip(distilled_aux.token_ids, distilled_aux.answer_starts)]
+    params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+    settings = dict(dtype=torch.float32, block_size=4, num_kv_blocks=48, max_num_seqs=max_num_seqs,
+                    max_num_batched_tokens=max_num_batched_tokens)
+    plain = LLMEngine(tiny_llama, EngineConfig(**settings)).generate(prompts, params)
+    engine = LLMEngine(tiny_llama, EngineConfig(**settings, speculative=eagle3_folder, adaptive_speculation=False,
+                                                num_speculative_tokens=3, speculative_tree_nodes=tree_nodes,
+                                                speculative_min_confidence=0.0))
+    speculative = engine.generate(prompts, params)
+    assert [out["token_ids"] for out in speculative] == [out["token_ids"] for out in plain]
+    stats = engine.runner.speculator.stats
+    assert stats.num_drafts > 0 and stats.mean_accepted_length > 1.2  # the draft learned the tiny model's answers
+
+
+def test_eagle3_learns_from_the_fused_layers(eagle3_folder):
+    config, draft = load_draft(eagle3_folder, torch.float32, "cpu")
+    top1 = config["train"]["train_top1_per_step"]
+    assert config["method"] == "eagle3" and config["aux_layer_ids"] == list(AUX_LAYERS) and len(top1) == 3
+    assert top1[0] > 0.5  # a random draft over the vocabulary guesses ~1%
+    assert torch.equal(draft.vocab[draft.t2d[draft.vocab]], draft.vocab) and int(draft.t2d.sum()) == len(draft.vocab)
+
+
+def test_export_writes_the_layout_vllm_loads(tmp_path, eagle3_folder):
+    out = export_for_vllm(eagle3_folder, tmp_path / VLLM_DIR)
+    config = json.loads((out / "config.json").read_text())
+    assert config["architectures"] == [ARCHITECTURE] and config["num_hidden_layers"] == 1
+    assert config["eagle_aux_hidden_state_layer_ids"] == list(AUX_LAYERS)
+    assert config["target_hidden_size"] == config["hidden_size"] and config["draft_vocab_size"] < config["vocab_size"]
+    tensors = load_file(out / "model.safetensors")
+    hidden = config["hidden_size"]
+    # the names and shapes vLLM's Eagle3LlamaForCausalLM loads (midlayer. -> layers.0., q/k/v and gate/up stacked)
+    assert tensors["fc.weight"].shape == (hidden, 3 * hidden)
+    assert tensors["midlayer.self_attn.q_proj.weight"].shape[1] == 2 * hidden
+    assert {"midlayer.input_layernorm.weight", "midlayer.hidden_norm.weight", "midlayer.post_attention_layernorm.weight",
+            "midlayer.mlp.gate_proj.weight", "midlayer.mlp.up_proj.weight", "midlayer.mlp.down_proj.weight",
+            "midlayer.self_attn.o_proj.weight", "norm.weight", "lm_head.weight", "d2t", "t2d"} <= set(tensors)
+    assert tensors["lm_head.weight"].dtype == torch.bfloat16 and tensors["d2t"].dtype == torch.int64
+    _, draft = load_draft(eagle3_folder, torch.float32, "cpu")
+    assert torch.equal(tensors["d2t"] + torch.arange(len(tensors["d2t"])), draft.vocab)  # vLLM: target id = i + d2t[i]
+
+
+def test_aux_layers_are_checked_before_any_work(tiny_llama):
+    with pytest.raises(LlmcError, match=r"layers are numbered 0\.\.2"):
+        eagle3_aux_layers(tiny_llama, DraftConfig(method="eagle3", aux_layers=[1, 5]))
+    with pytest.raises(ValueError, match="only an eagle3 draft"):
+        DraftConfig(method="eagle", aux_layers=[1])
+    assert eagle3_aux_layers(tiny_llama, DraftConfig(method="eagle3")) == default_aux_layers(AutoConfig.from_pretrained(tiny_llama).num_hidden_layers)
+
+
+def test_eagle_and_medusa_drafts_say_why_vllm_cannot_load_them(trained):
+    folder, _ = trained
+    with pytest.raises(LlmcError, match="medusa draft does not export to vLLM"):
+        export_for_vllm(folder, folder / VLLM_DIR)
