@@ -121,24 +121,31 @@ def quantize(recipe: Path, output: str | None, overrides: tuple[str, ...], overw
 @click.option("--concurrency", type=click.IntRange(min=1), default=1, show_default=True,
               help="With --speculative: also compare throughput with this many requests in flight.")
 @click.option("--histogram", type=click.Path(path_type=Path), help="With --speculative: the accepted-length histogram (PNG).")
+@click.option("--vllm", metavar="VENV|EXECUTABLE",
+              help="With --speculative: also measure the draft in vLLM (its venv or `vllm` executable), chains on both sides.")
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
 @DEVICE_OPTION
 @with_options(SPECULATIVE_SHAPE_OPTIONS)
 def evaluate(targets: tuple[str, ...], perplexity_data: str | None, seq_len: int, max_windows: int, business: str | None,
              tasks: str | None, limit: int | None, gate: tuple[str, ...], out: Path | None, speculative: str | None,
              prompts_file: Path | None, num_prompts: int, max_tokens: int, concurrency: int, histogram: Path | None,
-             as_json: bool, device: str, **shape) -> None:
+             vllm: str | None, as_json: bool, device: str, **shape) -> None:
     """Evaluate TARGETS (model specs or artifacts) side by side; the first is the baseline."""
     if speculative is not None:
+        from llmc.evals.gate import check_accepted_length
         from llmc.evals.speculative import evaluate_speculative, speculative_table
 
+        draft_gate = speculative_gate(list(gate))
         result = evaluate_speculative(targets[0], speculative, prompts_file, num_prompts, max_tokens, concurrency, histogram,
-                                      shape, chosen_device(device))
+                                      shape, chosen_device(device), vllm)
         if as_json:
             click.echo(json.dumps(result, indent=2))
         else:
             console.print(speculative_table(result))
+        check_accepted_length(result["mean_accepted_length"], draft_gate, f"{targets[0]}'s draft on {prompts_file}")
         return
+    if vllm is not None:
+        raise LlmcError("--vllm measures a draft in vLLM: it goes with --speculative")
     from llmc.evals.config import options_eval_config
     from llmc.evals.inputs import load_eval_inputs
 
@@ -173,6 +180,19 @@ def inspect(artifact: Path, as_json: bool) -> None:
         click.echo(json.dumps(info, indent=2))
     else:
         print_artifact(info, console)
+
+
+def speculative_gate(assignments: list[str]):
+    """--gate with --speculative: min_accepted_length is the one threshold a draft's measurement holds."""
+    from llmc.evals.config import gate_thresholds
+    from llmc.evals.gate import GateConfig
+    from llmc.validation import validated
+
+    thresholds = gate_thresholds(assignments)
+    others = sorted(set(thresholds) - {"min_accepted_length"})
+    if others:
+        raise LlmcError(f"--gate {others[0]}: --speculative measures the draft, its gate is min_accepted_length")
+    return validated(GateConfig, thresholds, "llmc eval --gate", prefix="gate.")
 
 
 @cli.command(name="train-draft")

@@ -74,6 +74,11 @@ def print_artifact(info: dict, console: Console) -> None:
                       f"{draft['trained_on']['answer_tokens']} self-distilled tokens ({draft['trained_on']['prompts']}); "
                       f"top-1 train {', '.join(f'{value:.2f}' for value in top1)}"
                       + (f", held out {', '.join(f'{value:.2f}' for value in held_out)}" if held_out else ""))
+        acceptance = draft.get("heldout_acceptance")
+        if acceptance:
+            console.print(f"draft acceptance: mean accepted length {acceptance['mean_accepted_length']:.2f} on "
+                          f"{acceptance['num_prompts']} held-out prompts, a chain of {acceptance['chain']}"
+                          + ("; vLLM serves it from draft/vllm" if draft["method"] == "eagle3" else ""))
     else:
         console.print("draft heads: none (`llmc train-draft ARTIFACT` adds them)")
     console.print(f"files: {len(manifest['files'])} with SHA-256 in llmc.json")

@@ -136,8 +136,14 @@ def run_quantize(recipe: Recipe, overwrite: bool = False, eval_inputs: EvalInput
         })
         if recipe.draft is not None:  # heads learn from the quantized model, the one that will be served
             from llmc.draft.build import train_draft
+            from llmc.evals.gate import check_accepted_length
+            from llmc.runtime.speculative.store import read_draft_config
 
-            train_draft(staging, recipe.draft, device)
+            folder = train_draft(staging, recipe.draft, device)
+            if recipe.eval.gate is not None:
+                acceptance = read_draft_config(folder)["heldout_acceptance"] or {}
+                check_accepted_length(acceptance.get("mean_accepted_length", 1.0), recipe.eval.gate,
+                                      f"the draft on its held-out prompts, no artifact written to {output}")
     return output
 
 

@@ -62,6 +62,9 @@ class Recipe(StrictModel):
                 raise ValueError(f"stages.{index} ({stage.type}) needs a calibration section: {reason}")
         if self.kv_cache is not None and self.calibration is None:
             raise ValueError("kv_cache needs a calibration section: k_scale and v_scale are calibrated")
+        gate = self.eval.gate
+        if gate is not None and gate.min_accepted_length is not None and self.draft is None:
+            raise ValueError("eval.gate.min_accepted_length: measures the draft, so it needs a draft section")
         self._check_export()
         return self
 

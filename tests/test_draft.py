@@ -9,11 +9,11 @@ from transformers import AutoConfig
 
 from llmc.cli import cli
 from llmc.draft.build import medusa_rows, medusa_top1, train_draft, train_eagle
-from llmc.draft.vocabulary import held_out_split, most_frequent_tokens
 from llmc.draft.config import DraftConfig
 from llmc.draft.data import DistillSet, cached_self_distill, load_distill_set, save_distill_set
 from llmc.draft.losses import OUT_OF_VOCAB, TOKEN_LOSS_WEIGHT, eagle_loss, medusa_labels, medusa_loss, unrolled
 from llmc.draft.train import CHECKPOINT, TrainConfig, train
+from llmc.draft.vocabulary import held_out_split, most_frequent_tokens
 from llmc.errors import LlmcError
 from llmc.inspect import describe_artifact
 from llmc.pipeline import run_quantize
@@ -76,7 +76,7 @@ def test_training_resumes_from_its_checkpoint(tmp_path):
     assert (tmp_path / "loss.png").is_file() and not (tmp_path / CHECKPOINT).exists()
 
 
-@pytest.mark.parametrize("method", ["medusa", "eagle"])
+@pytest.mark.parametrize("method", ["medusa", "eagle", "eagle3"])
 def test_recipe_draft_trains_heads_into_the_artifact(tmp_path, tiny_llama, calib_file, monkeypatch, method):
     monkeypatch.setenv("LLMC_HOME", str(tmp_path / "home"))  # the distillation cache
     more_prompts = tmp_path / "more.jsonl"
@@ -85,8 +85,11 @@ def test_recipe_draft_trains_heads_into_the_artifact(tmp_path, tiny_llama, calib
     recipe.write_text(recipe.read_text() + f"draft:\n  method: {method}\n  prompts: [{calib_file}, {more_prompts}]\n"
                       "  num_prompts: 6\n  max_tokens: 24\n  num_heads: 2\n  steps: 30\n  batch_size: 32\n")
     artifact = run_quantize(load_recipe(recipe, ["calibration.num_samples=2"]))
-    assert {path.name for path in (artifact / "draft").iterdir()} == {"config.json", "heads.safetensors", "loss.png"}
+    written = {"config.json", "heads.safetensors", "loss.png"} | ({"vllm"} if method == "eagle3" else set())
+    assert {path.name for path in (artifact / "draft").iterdir()} == written
     info = describe_artifact(artifact)
+    acceptance = info["draft"]["heldout_acceptance"]  # measured on the held-out answers' prompts, a chain of 3
+    assert acceptance["num_prompts"] == 1 and acceptance["chain"] == 3 and 1 <= acceptance["mean_accepted_length"] <= 4
     assert info["draft"]["method"] == method and info["draft"]["trained_on"]["num_answers"] == 4 + 2  # distinct prompts
     assert "draft/heads.safetensors" in info["manifest"]["files"]
     listed = " ".join(CliRunner().invoke(cli, ["inspect", str(artifact)]).output.split())

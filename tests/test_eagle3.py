@@ -1,9 +1,12 @@
 import json
+import sys
 from pathlib import Path
 
 import pytest
 import torch
+from conftest import write_recipe
 from safetensors.torch import load_file
+from test_cli import llmc
 from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig
 
 from llmc.draft.build import eagle3_aux_layers, save_eagle3
@@ -125,10 +128,53 @@ def test_aux_layers_are_checked_before_any_work(tiny_llama):
         eagle3_aux_layers(tiny_llama, DraftConfig(method="eagle3", aux_layers=[1, 5]))
     with pytest.raises(ValueError, match="only an eagle3 draft"):
         DraftConfig(method="eagle", aux_layers=[1])
-    assert eagle3_aux_layers(tiny_llama, DraftConfig(method="eagle3")) == default_aux_layers(AutoConfig.from_pretrained(tiny_llama).num_hidden_layers)
+    num_layers = AutoConfig.from_pretrained(tiny_llama).num_hidden_layers
+    assert eagle3_aux_layers(tiny_llama, DraftConfig(method="eagle3")) == default_aux_layers(num_layers)
 
 
 def test_eagle_and_medusa_drafts_say_why_vllm_cannot_load_them(trained):
     folder, _ = trained
     with pytest.raises(LlmcError, match="medusa draft does not export to vLLM"):
         export_for_vllm(folder, folder / VLLM_DIR)
+
+
+def draft_gate_recipe(tmp_path: Path, model: Path, calib_file: Path, threshold: float) -> Path:
+    recipe = write_recipe(tmp_path / "r.yaml", model, tmp_path / "out", "  - type: rtn\n    scheme: W4A16\n    weights: {group_size: 32}\n")
+    recipe.write_text(recipe.read_text() + f"draft:\n  method: eagle3\n  prompts: [{calib_file}]\n  num_prompts: 6\n  max_tokens: 24\n"
+                      f"  steps: 20\n  batch_size: 32\neval:\n  gate: {{min_accepted_length: {threshold}}}\n")
+    return recipe
+
+
+@pytest.mark.slow
+def test_the_gate_refuses_an_artifact_whose_draft_accepts_too_little(tmp_path, tiny_llama, calib_file, monkeypatch):
+    monkeypatch.setenv("LLMC_HOME", str(tmp_path / "home"))
+    run = llmc("quantize", str(draft_gate_recipe(tmp_path, tiny_llama, calib_file, 4.5)))
+    assert run.returncode == 3, run.stderr  # a chain of 3 accepts at most 4 tokens a step
+    assert "mean accepted length" in run.stderr and "< min_accepted_length 4.5" in run.stderr and "Traceback" not in run.stderr
+    assert not (tmp_path / "out").exists() and not list(tmp_path.glob(".out.partial*"))
+    passed = llmc("quantize", str(draft_gate_recipe(tmp_path, tiny_llama, calib_file, 1.0)))
+    assert passed.returncode == 0, passed.stderr
+    assert (tmp_path / "out" / "draft" / "vllm" / "model.safetensors").is_file()
+
+
+@pytest.mark.slow
+def test_draft_gate_and_vllm_options_are_refused_where_they_cannot_hold(tmp_path, tiny_llama, trained, eagle3_folder, calib_file):
+    medusa, _ = trained
+    eval_file = tmp_path / "e.txt"
+    eval_file.write_text("some text " * 50)
+    refusals = {
+        ("--perplexity", str(eval_file), "--gate", "min_accepted_length=2"): "goes with --speculative",
+        ("--perplexity", str(eval_file), "--vllm", "vllm"): "--vllm measures a draft in vLLM",
+        ("--speculative", str(medusa), "--prompts", str(calib_file), "--gate", "max_kl=1"): "its gate is min_accepted_length",
+        ("--speculative", str(medusa), "--prompts", str(calib_file), "--vllm", sys.executable): "vLLM cannot serve",
+        ("--speculative", str(medusa), "--prompts", str(calib_file), "--vllm", str(tmp_path / "nowhere")): "vLLM not found",
+        ("--speculative", str(eagle3_folder), "--prompts", str(calib_file), "--vllm", sys.executable,
+         "--speculative-tree-nodes", "4"): "--vllm compares chains",
+    }
+    for options, message in refusals.items():
+        run = llmc("eval", str(tiny_llama), *options)
+        assert run.returncode == 2 and message in run.stderr and "Traceback" not in run.stderr, (options, run.stderr)
+    recipe = write_recipe(tmp_path / "r.yaml", tiny_llama, tmp_path / "out", "  - type: rtn\n    scheme: W4A16\n")
+    recipe.write_text(recipe.read_text() + "eval:\n  gate: {min_accepted_length: 2}\n")
+    run = llmc("quantize", str(recipe))
+    assert run.returncode == 2 and "needs a draft section" in run.stderr

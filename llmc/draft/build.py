@@ -5,6 +5,7 @@ from dataclasses import asdict
 from pathlib import Path
 
 import torch
+from tqdm import tqdm
 from transformers import AutoConfig
 
 from llmc.artifact.writer import MANIFEST, write_manifest
@@ -14,14 +15,21 @@ from llmc.draft.eagle3 import train_eagle3
 from llmc.draft.export import VLLM_DIR, VLLM_METHODS, export_for_vllm
 from llmc.draft.losses import eagle_loss, medusa_labels, medusa_loss, unrolled
 from llmc.draft.train import TrainConfig, train
-from llmc.draft.vocabulary import EAGLE_WINDOW, EVAL_BATCHES, draft_vocabulary, held_out_split
+from llmc.draft.vocabulary import EVAL_BATCHES, draft_vocabulary, held_out_split, held_out_windows, window_length
 from llmc.errors import LlmcError
 from llmc.prompts import check_prompt_files
+from llmc.runtime.engine.config import EngineConfig, native_bfloat16
+from llmc.runtime.llm_engine import LLMEngine
 from llmc.runtime.models.loader import WeightLoader
+from llmc.runtime.sampling_params import SamplingParams
 from llmc.runtime.speculative.eagle import EagleDraft, EagleShape
 from llmc.runtime.speculative.eagle3 import default_aux_layers
 from llmc.runtime.speculative.medusa import MedusaHeads
+from llmc.runtime.speculative.shape import COMPARISON_CHAIN
 from llmc.runtime.speculative.store import DRAFT_DIR, save_draft, save_heads
+
+HELD_OUT_PROMPTS = 32  # held-out prompts a draft's acceptance is measured on, one at a time (batch 1, as the gate reads it)
+HELD_OUT_MAX_TOKENS = 128
 
 
 def train_draft(artifact: Path, config: DraftConfig, device: torch.device | str = "cpu") -> Path:
@@ -43,13 +51,34 @@ def train_draft(artifact: Path, config: DraftConfig, device: torch.device | str 
         summary = save_eagle3(data, config, aux_layers, folder, artifact, device)
     else:
         summary = train_medusa(data, config, folder, device)
-    summary["train"] |= {"device": str(device), "distill_s": round(distill_s, 1), "total_s": round(time.perf_counter() - started, 1)}
+    summary["train"] |= {"device": str(device), "distill_s": round(distill_s, 1)}
+    save_draft(folder, summary)
+    summary["heldout_acceptance"] = held_out_acceptance(artifact, folder, data, device)
+    summary["train"]["total_s"] = round(time.perf_counter() - started, 1)
     save_draft(folder, summary)
     if summary["method"] in VLLM_METHODS:
         export_for_vllm(folder, folder / VLLM_DIR)
     manifest = json.loads((artifact / MANIFEST).read_text())
     write_manifest(artifact, manifest | {"draft": summary})
     return folder
+
+
+def held_out_acceptance(artifact: Path, folder: Path, data: DistillSet, device: torch.device) -> dict | None:
+    """The draft's mean accepted length on the prompts of the answers held out of training (the first HELD_OUT_PROMPTS),
+    greedy, drafting a chain of COMPARISON_CHAIN tokens on every step: what the gate's min_accepted_length holds."""
+    held_out = held_out_split(list(zip(data.token_ids, data.answer_starts)))[1][:HELD_OUT_PROMPTS]
+    if not held_out:
+        return None
+    dtype = torch.bfloat16 if native_bfloat16(str(device)) else torch.float32
+    engine = LLMEngine(artifact, EngineConfig(
+        device=str(device), dtype=dtype, speculative=folder, adaptive_speculation=False, enable_prefix_caching=False,
+        num_speculative_tokens=COMPARISON_CHAIN, speculative_tree_nodes=0, speculative_min_confidence=0.0,
+    ))
+    params = SamplingParams(temperature=0, max_tokens=HELD_OUT_MAX_TOKENS)
+    for ids, start in tqdm(held_out, desc="draft on held-out prompts", unit="prompt"):
+        engine.generate([ids[:start]], params)
+    return {"chain": COMPARISON_CHAIN, "num_prompts": len(held_out), "max_tokens": HELD_OUT_MAX_TOKENS,
+            "mean_accepted_length": round(engine.runner.speculator.stats.mean_accepted_length, 4)}
 
 
 def eagle3_aux_layers(artifact: Path, config: DraftConfig) -> list[int]:
@@ -141,10 +170,9 @@ def train_eagle(data: DistillSet, config: DraftConfig, folder: Path, artifact: P
     frequent tokens: a rarer one is learned through its feature alone)."""
     embeddings = WeightLoader(artifact, torch.float32, "cpu").tensor("model.embed_tokens.weight")
     unroll = config.unroll
-    window_len = min(EAGLE_WINDOW, max(len(ids) for ids in data.token_ids) - unroll - 1)
-    seqs = [(torch.tensor(ids), hidden, start) for ids, hidden, start in zip(data.token_ids, data.hidden, data.answer_starts)
-            if len(ids) >= window_len + unroll + 1 and start + 1 < len(ids)]
-    training, held_out = held_out_split(seqs)
+    window_len = window_length(data.token_ids, unroll)
+    seqs = [(torch.tensor(ids), hidden, start) for ids, hidden, start in zip(data.token_ids, data.hidden, data.answer_starts)]
+    training, held_out = held_out_windows(seqs, window_len + unroll + 1)
     vocab, to_vocab = draft_vocabulary([ids[start:] for ids, _, start in training], len(data.lm_head))
     lm_head = data.lm_head[vocab].to(device)
     noise_scale = torch.cat([hidden for _, hidden, _ in training]).pow(2).mean().sqrt().item()

@@ -10,7 +10,7 @@ from llmc.draft.config import DraftConfig
 from llmc.draft.data import DistillSet
 from llmc.draft.losses import eagle3_loss, unrolled
 from llmc.draft.train import TrainConfig, train
-from llmc.draft.vocabulary import EAGLE_WINDOW, EVAL_BATCHES, draft_vocabulary, held_out_split
+from llmc.draft.vocabulary import EVAL_BATCHES, draft_vocabulary, held_out_windows, window_length
 from llmc.runtime.models.loader import WeightLoader
 from llmc.runtime.speculative.eagle3 import Eagle3Draft, eagle3_config
 
@@ -21,11 +21,10 @@ def train_eagle3(data: DistillSet, config: DraftConfig, aux_layers: list[int], f
     weights = WeightLoader(artifact, torch.float32, "cpu")
     embeddings = weights.tensor("model.embed_tokens.weight")
     unroll = config.unroll
-    window_len = min(EAGLE_WINDOW, max(len(ids) for ids in data.token_ids) - unroll - 1)
+    window_len = window_length(data.token_ids, unroll)
     columns = zip(data.token_ids, data.hidden, data.aux, data.answer_starts)
-    seqs = [(torch.tensor(ids), hidden, aux, start) for ids, hidden, aux, start in columns
-            if len(ids) >= window_len + unroll + 1 and start + 1 < len(ids)]
-    training, held_out = held_out_split(seqs)
+    seqs = [(torch.tensor(ids), hidden, aux, start) for ids, hidden, aux, start in columns]
+    training, held_out = held_out_windows(seqs, window_len + unroll + 1)
     vocab, to_vocab = draft_vocabulary([ids[start:] for ids, _, _, start in training], len(data.lm_head))
     lm_head = data.lm_head[vocab].to(device)
     draft = Eagle3Draft(eagle3_config(AutoConfig.from_pretrained(artifact), aux_layers, len(vocab)))

@@ -16,6 +16,23 @@ def held_out_split(items: list) -> tuple[list, list]:
     return [item for index, item in enumerate(items) if index % HELD_OUT_EVERY], items[::HELD_OUT_EVERY]
 
 
+def window_length(token_ids: list[list[int]], unroll: int) -> int:
+    """EAGLE_WINDOW tokens, or fewer where the answers are shorter: at least half of them hold a window and the
+    unroll - 1 tokens past it (windows start anywhere in an answer, so longer ones still train whole)."""
+    median = sorted(map(len, token_ids))[len(token_ids) // 2]
+    return max(1, min(EAGLE_WINDOW, median - unroll - 1))
+
+
+def held_out_windows(seqs: list[tuple], min_len: int) -> tuple[list, list]:
+    """held_out_split of every answer (ids first, answer start last in each tuple), then in each part the answers long
+    enough for an EAGLE window: the held-out answers are the same every 25th whatever the method."""
+    def long_enough(part: list[tuple]) -> list[tuple]:
+        return [seq for seq in part if len(seq[0]) >= min_len and seq[-1] + 1 < len(seq[0])]
+
+    training, held_out = held_out_split(seqs)
+    return long_enough(training), long_enough(held_out)
+
+
 def draft_vocabulary(answers: list[torch.Tensor], vocab_size: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The answers' DRAFT_VOCAB_SIZE most frequent token ids, and every token id's index among them (OUT_OF_VOCAB if none)."""
     vocab = most_frequent_tokens(answers, vocab_size, DRAFT_VOCAB_SIZE)

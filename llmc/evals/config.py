@@ -36,14 +36,14 @@ class EvalConfig(StrictModel):
         gate = self.gate
         if gate is None:
             return self
-        if not self.baseline:
-            raise ValueError("gate: compares against the baseline, so it needs baseline: true")
-        requirements = {
+        requirements = {  # the thresholds against the baseline (min_accepted_length measures the draft alone)
             "min_recovery": (self.business or self.tasks, "eval.business or eval.tasks"),
             "max_perplexity_increase": (self.perplexity, "eval.perplexity"),
             "max_kl": (self.business, "eval.business"),
             "min_agreement": (self.business, "eval.business"),
         }
+        if not self.baseline and any(getattr(gate, threshold) is not None for threshold in requirements):
+            raise ValueError("gate: compares against the baseline, so it needs baseline: true")
         for threshold, (measured, source) in requirements.items():
             if getattr(gate, threshold) is not None and not measured:
                 raise ValueError(f"gate.{threshold}: needs {source} to be measured")
@@ -60,12 +60,20 @@ def options_eval_config(perplexity: str | None, seq_len: int, max_windows: int, 
     """The eval section `llmc eval`'s options describe (`gate` as KEY=VALUE thresholds)."""
     if not (perplexity or business or tasks):
         raise LlmcError("nothing to evaluate: pass --perplexity FILE|wikitext2, --business FILE, --tasks NAMES or --speculative")
-    return eval_config({
+    config = eval_config({
         "perplexity": {"dataset": perplexity, "seq_len": seq_len, "max_windows": max_windows} if perplexity else None,
         "business": {"dataset": business, "limit": limit} if business else None,
         "tasks": {"names": [name.strip() for name in tasks.split(",") if name.strip()], "limit": limit} if tasks else None,
-        "gate": dict(_threshold(item) for item in gate) or None,
+        "gate": gate_thresholds(gate) or None,
     }, source="llmc eval options")
+    if config.gate is not None and config.gate.min_accepted_length is not None:
+        raise LlmcError("--gate min_accepted_length: measures a draft, so it goes with --speculative")
+    return config
+
+
+def gate_thresholds(assignments: list[str]) -> dict[str, str]:
+    """--gate KEY=VALUE options as a gate section (validated by its caller)."""
+    return dict(_threshold(item) for item in assignments)
 
 
 def _threshold(assignment: str) -> tuple[str, str]:

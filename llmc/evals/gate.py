@@ -14,6 +14,9 @@ class GateConfig(StrictModel):
     max_perplexity_increase: float | None = Field(None, ge=0)
     max_kl: float | None = Field(None, ge=0)
     min_agreement: float | None = Field(None, ge=0, le=1)
+    # the draft's mean accepted length (accepted + 1 per verification) on its held-out prompts, drafting a chain of
+    # GATE_CHAIN tokens on every step (draft.build.held_out_acceptance); with `llmc eval --speculative`, on its prompts
+    min_accepted_length: float | None = Field(None, ge=1)
 
 
 class GateFailed(LlmcError):
@@ -71,3 +74,11 @@ def _at_least(name: str, value: float | None, threshold: float, key: str) -> str
 
 def _at_most(name: str, value: float, threshold: float, key: str) -> str | None:
     return None if value <= threshold else f"{name} {value:.4f} > {key} {threshold} (over by {value - threshold:.4f})"
+
+
+def check_accepted_length(mean_accepted_length: float, gate: GateConfig, where: str) -> None:
+    """GateFailed when the draft accepts less than gate.min_accepted_length."""
+    threshold = gate.min_accepted_length
+    if threshold is not None and mean_accepted_length < threshold:
+        raise GateFailed(f"gate failed: {where}: mean accepted length {mean_accepted_length:.3f} < min_accepted_length {threshold} "
+                         f"(short by {threshold - mean_accepted_length:.3f})")

@@ -12,3 +12,7 @@ class DraftShape:
 
 
 DEFAULT_SHAPES = {"medusa": DraftShape(None, 7, 0.0), "eagle": DraftShape(4, 7, 0.3), "eagle3": DraftShape(4, 7, 0.3)}
+
+# the chain drafts are measured at where engines or thresholds compare them (vLLM side by side, the quality gate):
+# 3 tokens drafted on every step, as vLLM's EAGLE-3 examples draft
+COMPARISON_CHAIN = 3
