@@ -107,8 +107,9 @@ def test_recipe_draft_trains_heads_into_the_artifact(tmp_path, tiny_llama, calib
     assert {"batch1", "concurrency2", "acceptance_per_position"} <= set(result)
     assert result["identical_outputs"] == 2 and {"speedup", "served_speedup"} <= set(result["concurrency2"])
     assert result["concurrency2"]["rounds"] == 3
-    cached_self_distill(artifact, calib_file, 6, 24)  # the heads now in the artifact do not change the cache key
-    cached_self_distill(artifact, more_prompts, 6, 24)
+    aux_layers = tuple(info["draft"].get("aux_layer_ids", ()))  # EAGLE-3's sets hold those layers' features too
+    cached_self_distill(artifact, calib_file, 6, 24, aux_layers=aux_layers)  # the heads in the artifact do not change the key
+    cached_self_distill(artifact, more_prompts, 6, 24, aux_layers=aux_layers)
     assert len(list((tmp_path / "home" / "distill").glob("*.safetensors"))) == 2  # one per prompt file
 
 
