@@ -15,8 +15,9 @@ VLLM_METHODS = {"eagle3": "eagle3"}  # llmc's draft method -> vLLM's speculative
 NOT_EXPORTABLE = {
     "eagle": "vLLM's EAGLE-1 layer has no fc bias and reads [embedding; feature], llmc's EAGLE layer has a bias; "
              "train an eagle3 draft (`--set method=eagle3`), which vLLM serves",
-    "medusa": "vLLM's Medusa heads project onto the whole vocabulary through its token_map, llmc's onto the draft "
-              "vocabulary; train an eagle3 draft (`--set method=eagle3`), which vLLM serves",
+    "medusa": "vLLM sizes each Medusa head at the whole vocabulary (a smaller one only through its token_map) and llmc's "
+              "heads cover the draft vocabulary, so llmc writes no vLLM Medusa layout; train an eagle3 draft "
+              "(`--set method=eagle3`), which vLLM serves",
 }
 
 
