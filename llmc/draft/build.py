@@ -20,6 +20,7 @@ from llmc.errors import LlmcError
 from llmc.prompts import check_prompt_files
 from llmc.runtime.engine.config import EngineConfig, native_bfloat16
 from llmc.runtime.llm_engine import LLMEngine
+from llmc.runtime.models.llama import aux_layer_ids
 from llmc.runtime.models.loader import WeightLoader
 from llmc.runtime.sampling_params import SamplingParams
 from llmc.runtime.speculative.eagle import EagleDraft, EagleShape
@@ -84,10 +85,7 @@ def held_out_acceptance(artifact: Path, folder: Path, data: DistillSet, device: 
 def eagle3_aux_layers(artifact: Path, config: DraftConfig) -> list[int]:
     """The recipe's aux layers, checked against the model before any work; by default EAGLE-3's choice."""
     num_layers = AutoConfig.from_pretrained(artifact).num_hidden_layers
-    layers = sorted(set(config.aux_layers or default_aux_layers(num_layers)))
-    if not 0 <= layers[0] <= layers[-1] <= num_layers:
-        raise LlmcError(f"draft.aux_layers {config.aux_layers}: {artifact}'s layers are numbered 0..{num_layers}")
-    return layers
+    return list(aux_layer_ids(config.aux_layers or default_aux_layers(num_layers), num_layers, f"{artifact}: draft.aux_layers"))
 
 
 def save_eagle3(data: DistillSet, config: DraftConfig, aux_layers: list[int], folder: Path, artifact: Path,

@@ -17,7 +17,7 @@ from llmc.runtime.layers.int4_amx import amx_available
 from llmc.runtime.layers.linear import Int4CpuLinear
 from llmc.runtime.layers.sampler import SampledToken, sample, token_logprobs
 from llmc.runtime.models.architecture import architecture_of
-from llmc.runtime.models.llama import LlamaForCausalLM
+from llmc.runtime.models.llama import LlamaForCausalLM, aux_layer_ids
 from llmc.runtime.models.loader import WeightLoader
 
 logger = logging.getLogger(__name__)
@@ -63,8 +63,7 @@ class ModelRunner:
             raise LlmcError("keeping hidden states needs every token computed once, in order: no prefix caching, no drafts")
         if config.aux_hidden_layers and not config.keep_hidden_states:
             raise LlmcError("aux_hidden_layers are kept with keep_hidden_states only")
-        if any(not 0 <= index <= hf_config.num_hidden_layers for index in config.aux_hidden_layers):
-            raise LlmcError(f"aux_hidden_layers {list(config.aux_hidden_layers)}: this model's layers are 0..{hf_config.num_hidden_layers}")
+        aux_layers = aux_layer_ids(config.aux_hidden_layers, hf_config.num_hidden_layers, "aux_hidden_layers")
         self.hf_config = hf_config
         self.keep_hidden_states = config.keep_hidden_states
         self.block_size = config.block_size
@@ -80,7 +79,7 @@ class ModelRunner:
             self.num_blocks * config.block_size,  # one sequence must always fit, or preemption could not help
         )
         self.model = LlamaForCausalLM(hf_config, weights, self.max_model_len)
-        self.model.aux_layer_ids = tuple(sorted(set(config.aux_hidden_layers)))
+        self.model.aux_layer_ids = aux_layers
         self.amx_s = amx_int4(self.model, config.max_eager_int4_rows) if uses_amx(config) else None
         self.compile_s = None
         if config.compile:

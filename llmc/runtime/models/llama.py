@@ -7,6 +7,7 @@ import torch.nn.functional as F
 from torch import nn
 from transformers.activations import ACT2FN
 
+from llmc.errors import LlmcError
 from llmc.runtime.layers.attention import AttentionMetadata, PagedAttention, ScoreShape
 from llmc.runtime.layers.linear import DenseLinear
 from llmc.runtime.layers.linear_weight import LinearWeight
@@ -95,6 +96,14 @@ class LlamaDecoderLayer(nn.Module):
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor, metadata: AttentionMetadata) -> torch.Tensor:
         q, k, v = self.attention_inputs(positions, hidden)
         return self.attention_output(hidden, self.self_attn.attn(q, k, v, metadata))
+
+
+def aux_layer_ids(layers, num_layers: int, what: str) -> tuple[int, ...]:
+    """Layers whose entering residual stream is kept (0: the embeddings, num_layers: the last layer's output), in
+    layer order, the order aux_hidden joins them in; LlmcError naming `what` when one is not a layer of the model."""
+    if any(not 0 <= index <= num_layers for index in layers):
+        raise LlmcError(f"{what} {list(layers)}: the model's layers are numbered 0..{num_layers}")
+    return tuple(sorted(set(layers)))
 
 
 class LlamaForCausalLM(nn.Module):

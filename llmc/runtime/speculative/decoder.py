@@ -12,6 +12,7 @@ from llmc.runtime.engine.draft_tree import DraftTree
 from llmc.runtime.engine.grammar import masked_tree_logits
 from llmc.runtime.engine.sequence import Sequence
 from llmc.runtime.layers.sampler import SampledToken, greedy_tokens, sampled_token, sampling_probs
+from llmc.runtime.models.llama import aux_layer_ids
 from llmc.runtime.speculative.acceptance import greedy_accept, rejection_sample
 from llmc.runtime.speculative.governor import DraftGovernor
 from llmc.runtime.speculative.proposers import Observed, build_proposer
@@ -26,10 +27,9 @@ class SpeculativeDecoder:
         if self.draft_config["hidden_size"] != runner.hf_config.hidden_size:
             raise LlmcError(f"{folder} was trained for hidden size {self.draft_config['hidden_size']}, "
                             f"this model has {runner.hf_config.hidden_size}")
-        aux_layers = tuple(self.draft_config.get("aux_layer_ids", ()))  # EAGLE-3 reads these layers' features
-        if any(not 0 <= index <= runner.hf_config.num_hidden_layers for index in aux_layers):
-            raise LlmcError(f"{folder} reads layers {list(aux_layers)}, this model's are 0..{runner.hf_config.num_hidden_layers}")
-        runner.model.aux_layer_ids = aux_layers
+        # EAGLE-3 reads these layers' features
+        runner.model.aux_layer_ids = aux_layer_ids(self.draft_config.get("aux_layer_ids", ()), runner.hf_config.num_hidden_layers,
+                                                   f"{folder} reads layers")
         self.model = runner.model
         self.proposer = build_proposer(self.draft_config, heads, runner.model, config)
         self.num_tokens = self.proposer.max_depth
