@@ -2,8 +2,10 @@
 quantization: int8 x int8 -> int32 GEMM through torch._int_mm, float8 E4M3 GEMM through torch._scaled_mm on CUDA.
 On CPU int8 accumulates exactly in int32, FP8 in float32 (a float32 matmul of its codes), and the scales multiply
 the result, as fake quantization does; on CUDA the FP8 scales go into _scaled_mm's epilogue. FP8 blocks accumulate
-one 128-column slice at a time, each scaled by its activation group and weight block."""
+one 128-column slice at a time, each scaled by its activation group and weight block. The three steps (quantize the
+inputs, multiply the codes, scale the sums) are `Kernels`, each replaceable by a faster one with the same bits."""
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -13,7 +15,7 @@ from llmc.quant.qtypes import QuantizedWeight, quantize_activation
 CUDA_INT_MM_MIN_ROWS = 32  # torch._int_mm's cuBLAS int8 GEMM refuses 16 rows or fewer; small batches are padded
 
 
-def _int8_mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+def int8_mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """[M, K] x [N, K] int8 -> [M, N] int32."""
     rows = a.shape[0]
     if a.is_cuda and rows < CUDA_INT_MM_MIN_ROWS:
@@ -42,6 +44,11 @@ def _fp8_mm_scaled(a: torch.Tensor, act_scale: torch.Tensor, weight: QuantizedWe
     return torch._scaled_mm(a, weight.codes.t(), scale_a=scale_a, scale_b=scale_b, out_dtype=torch.bfloat16)
 
 
+def codes_mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """[M, K] x [N, K] int8 or float8 codes -> [M, N] unscaled sums: int8's exact in int32, float8's in float32."""
+    return int8_mm(a, b) if a.dtype == torch.int8 else _fp8_mm(a, b)
+
+
 def _block_fp8_mm(codes: torch.Tensor, act_scale: torch.Tensor, weight: QuantizedWeight) -> torch.Tensor:
     rows, columns = weight.args.block_structure
     if weight.input_activations.strategy != "group" or weight.input_activations.group_size != columns:
@@ -55,21 +62,38 @@ def _block_fp8_mm(codes: torch.Tensor, act_scale: torch.Tensor, weight: Quantize
     return out
 
 
+def scale_sums(sums: torch.Tensor, act_scale: torch.Tensor, weight_scale: torch.Tensor, bias: torch.Tensor | None,
+               dtype: torch.dtype) -> torch.Tensor:
+    """sums [tokens, out] (int32, float32 or bfloat16) x act_scale per token (or one) x weight_scale per output (or
+    one), in float32, + bias, in dtype."""
+    out = sums.float() * act_scale.reshape(-1, 1) * weight_scale.float().reshape(1, -1)
+    return (out if bias is None else out + bias).to(dtype)
+
+
+@dataclass(frozen=True, slots=True)
+class Kernels:
+    """quantize_input: quantize_activation's contract; codes_matmul: codes_mm's; scale_sums: scale_sums'."""
+
+    quantize_input: Callable = quantize_activation
+    codes_matmul: Callable = codes_mm
+    scale_sums: Callable = scale_sums
+
+
 def quantized_linear(
     x: torch.Tensor, weight: QuantizedWeight, input_scale: torch.Tensor | None = None, bias: torch.Tensor | None = None,
-    quantize_input: Callable = quantize_activation,
+    kernels: Kernels = Kernels(),
 ) -> torch.Tensor:
-    """y = x Wᵀ (+ bias) with x quantized as weight.input_activations says (input_scale when static), by
-    quantize_input: quantize_activation's contract, e.g. a fused GPU kernel with the same arithmetic."""
+    """y = x Wᵀ (+ bias) with x quantized as weight.input_activations says (input_scale when static), by kernels
+    (e.g. a fused quantizer, a weight packed at load)."""
     args = weight.input_activations
-    codes, act_scale = quantize_input(x, args, input_scale)
+    codes, act_scale = kernels.quantize_input(x, args, input_scale)
     if weight.args.strategy == "block":
         out = _block_fp8_mm(codes, act_scale, weight)
     elif args.type == "float" and x.is_cuda:
         out = _fp8_mm_scaled(codes, act_scale, weight, x.dtype)
     else:
-        accumulated = _int8_mm(codes, weight.codes) if args.type == "int" else _fp8_mm(codes, weight.codes)
-        out = accumulated.float() * act_scale.reshape(-1, 1) * weight.scale.float().reshape(1, -1)
+        out = kernels.scale_sums(kernels.codes_matmul(codes, weight.codes), act_scale, weight.scale, bias, x.dtype)
+        return out.reshape(*x.shape[:-1], -1)
     if bias is not None:
         out = out + bias
     return out.reshape(*x.shape[:-1], -1).to(x.dtype)

@@ -5,8 +5,10 @@ import torch
 from torch import nn
 
 from llmc.quant.qtypes import QuantizedWeight, quantize_activation
-from llmc.quant.quantized_mm import quantized_linear
+from llmc.quant.quantized_mm import Kernels, codes_mm, quantized_linear
+from llmc.runtime.layers import cpu_quantized_mm
 from llmc.runtime.layers.linear_weight import LinearWeight
+from llmc.runtime.layers.onednn_packed import packs_for_onednn
 
 
 def _cuda_fp8_gemm_available(device: str) -> bool:
@@ -18,20 +20,35 @@ class QuantizedInputLinear(nn.Module):
         super().__init__()
         quantized = weight.weight
         self.args, self.input_activations = quantized.args, quantized.input_activations
+        self.kernels = Kernels()
         codes = quantized.codes.to(device)
-        if device == "cpu" and quantized.args.type == "float":  # float32 holds E4M3 exactly: converted once, not every call
-            codes = codes.float()
+        acts = self.input_activations
+        if device == "cpu":
+            codes = self._cpu_kernels(codes, dtype)
+        elif device.startswith("cuda") and (acts.strategy == "token" or (acts.strategy == "tensor" and not acts.dynamic)):
+            from llmc.runtime.layers.triton_act_quant import quantize_activation_triton
+
+            self.kernels = Kernels(quantize_input=quantize_activation_triton)  # the same arithmetic in one kernel
         self.register_buffer("codes", codes)
         self.register_buffer("weight_scale", quantized.scale.to(device, torch.float32))
         self.register_buffer("zero_point", quantized.zero_point.to(device))
         self.register_buffer("input_scale", None if weight.input_scale is None else weight.input_scale.to(device, torch.float32))
         self.bias = None if weight.bias is None else nn.Parameter(weight.bias.to(device, dtype), requires_grad=False)
-        self.quantize_input = quantize_activation
-        acts = self.input_activations
-        if device.startswith("cuda") and (acts.strategy == "token" or (acts.strategy == "tensor" and not acts.dynamic)):
-            from llmc.runtime.layers.triton_act_quant import quantize_activation_triton
 
-            self.quantize_input = quantize_activation_triton  # the same arithmetic in one kernel
+    def _cpu_kernels(self, codes: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """The CPU kernels these weights and inputs take (layers/cpu_quantized_mm.py); returns the codes to keep."""
+        packs_fp8 = self.args.type == "float" and self.args.strategy != "block" and packs_for_onednn(dtype, "cpu")
+        codes_matmul = cpu_quantized_mm.PackedFp8Matmul(codes) if packs_fp8 else codes_mm
+        if cpu_quantized_mm.compiled_kernel() is None:
+            self.kernels = Kernels(codes_matmul=codes_matmul)
+        else:
+            quantize_input = quantize_activation
+            if cpu_quantized_mm.kernel_quantizes(self.input_activations):
+                quantize_input = cpu_quantized_mm.quantize_fp8_as_bfloat16 if packs_fp8 else cpu_quantized_mm.quantize_activation_cpu
+            self.kernels = Kernels(quantize_input, codes_matmul, cpu_quantized_mm.scale_sums_cpu)
+        if self.args.type == "int" or packs_fp8:
+            return codes
+        return codes.float()  # float32 holds E4M3 exactly: converted once, not every call
 
     @staticmethod
     def supports(weight: LinearWeight, dtype: torch.dtype, device: str) -> bool:
@@ -51,4 +68,4 @@ class QuantizedInputLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weight = QuantizedWeight(self.codes, self.weight_scale, self.zero_point, self.args, None, self.input_activations)
-        return quantized_linear(x, weight, self.input_scale, self.bias, self.quantize_input)
+        return quantized_linear(x, weight, self.input_scale, self.bias, self.kernels)
