@@ -6,8 +6,8 @@ from pydantic import Field, field_validator, model_validator
 from llmc.schema import StrictModel
 
 # training steps: Medusa heads learn fast; EAGLE's layers see 512 tokens a step (SmolLM2 on 2 cores: EAGLE ~25 min, EAGLE-3,
-# whose steps cost more, README: Draft heads)
-STEPS = {"medusa": 300, "eagle": 6000, "eagle3": 2000}
+# whose steps cost more, ~41 min; steps=2000 is its smaller setting, README: Draft heads)
+STEPS = {"medusa": 300, "eagle": 6000, "eagle3": 6000}
 
 
 class DraftConfig(StrictModel):
