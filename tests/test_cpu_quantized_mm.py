@@ -1,5 +1,6 @@
-"""The CPU W8A8 path (layers/cpu_quantized_mm.py) against the torch ops it replaces: the same codes and scales, the same
-exact int32 sums, the same output bits, and a row's result independent of the rows beside it."""
+"""The CPU W8A8 and FP8 kernels (layers/cpu_quantized_mm.py) against the torch ops they replace: the same codes and
+scales, the same scaled sums and W8A8 output bits, FP8 sums rounded once, and a row's result independent of the rows
+beside it."""
 import pytest
 import torch
 

@@ -5,13 +5,10 @@ window, and sums the softmax-weighted values, keys in position order. A row's ar
 length only, so its result is the same whatever rows share the step. Compiled with the machine's compiler on first
 use (torch.utils.cpp_extension, about 25 s on 2 cores, cached for later runs in torch's extension folder,
 TORCH_EXTENSIONS_DIR); where that fails, decoding keeps the torch reference (attention.decode_attention_reference)."""
-import logging
-
 import torch
 
 from llmc.runtime.layers.attention import PLAIN, DecodeRows, ScoreShape
-
-logger = logging.getLogger(__name__)
+from llmc.runtime.layers.cpp_kernel import CppKernel
 
 SOURCE = r"""
 #include <torch/extension.h>
@@ -108,23 +105,12 @@ torch::Tensor paged_decode(torch::Tensor query, torch::Tensor k_cache, torch::Te
 # the batch) and the softmax's exponentials (glibc's vector expf); the kernel keeps every value finite. OpenMP: ATen's parallel_for
 # spreads (sequence, KV head) pairs over torch's threads only when the extension is built with it
 COMPILER_FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp"]
-_kernel: object | None = None
-_tried = False
+KERNEL = CppKernel("llmc_paged_decode", SOURCE, ["paged_decode"], COMPILER_FLAGS, "decoding on the torch reference")
 
 
 def compiled_kernel():
-    """The compiled extension, compiled (or read from the cache) on first call; None where it cannot be built."""
-    global _kernel, _tried
-    if not _tried:
-        _tried = True
-        from torch.utils.cpp_extension import load_inline
-
-        try:
-            _kernel = load_inline("llmc_paged_decode", cpp_sources=SOURCE, functions=["paged_decode"], extra_cflags=COMPILER_FLAGS,
-                                  extra_ldflags=["-fopenmp"])
-        except Exception as error:  # no compiler, no ninja, a toolchain error: the reference still decodes
-            logger.warning("the CPU paged decode kernel could not be built (%s); decoding on the torch reference", error)
-    return _kernel
+    """The compiled extension; None where it cannot be built (the reference still decodes)."""
+    return KERNEL.get()
 
 
 def decode_attention_cpu(

@@ -7,14 +7,11 @@ slower than _int_mm at these sizes); float8 codes, which bfloat16 holds exactly,
 weight's codes packed once at load (exact products, float32 sums rounded once to bfloat16). A second kernel scales
 the sums by token and output channel in float32, adds the bias and rounds to the compute dtype. A row's bits do not
 depend on the rows beside it. Compiled on first use like layers/cpu_attention.py; where that fails, the torch ops serve."""
-import logging
-
 import torch
 
 from llmc.quant.qtypes import QuantArgs
+from llmc.runtime.layers.cpp_kernel import CppKernel
 from llmc.runtime.layers.onednn_packed import PackedWeight
-
-logger = logging.getLogger(__name__)
 
 SOURCE = r"""
 #include <torch/extension.h>
@@ -126,23 +123,12 @@ torch::Tensor scale_sums(torch::Tensor sums, torch::Tensor act_scale, torch::Ten
 """
 # no fast math and no fused multiply-adds: every division, product and rounding must be IEEE's, one at a time, as torch's are
 COMPILER_FLAGS = ["-O3", "-march=native", "-fopenmp", "-ffp-contract=off"]
-_kernel: object | None = None
-_tried = False
+KERNEL = CppKernel("llmc_quantize_rows", SOURCE, ["quantize_rows", "scale_sums"], COMPILER_FLAGS, "quantizing with torch ops")
 
 
 def compiled_kernel():
-    """The compiled extension, compiled (or read from torch's extension cache) on first call; None where it cannot be built."""
-    global _kernel, _tried
-    if not _tried:
-        _tried = True
-        from torch.utils.cpp_extension import load_inline
-
-        try:
-            _kernel = load_inline("llmc_quantize_rows", cpp_sources=SOURCE, functions=["quantize_rows", "scale_sums"],
-                                  extra_cflags=COMPILER_FLAGS, extra_ldflags=["-fopenmp"])
-        except Exception as error:  # no compiler, no ninja, a toolchain error: the torch ops still quantize
-            logger.warning("the CPU activation quantization kernel could not be built (%s); quantizing with torch ops", error)
-    return _kernel
+    """The compiled extension; None where it cannot be built (the torch ops still quantize and scale)."""
+    return KERNEL.get()
 
 
 def kernel_quantizes(args: QuantArgs) -> bool:

@@ -1,0 +1,31 @@
+"""A C++ extension compiled with the machine's compiler on first use (torch.utils.cpp_extension.load_inline, cached in
+torch's extension folder, TORCH_EXTENSIONS_DIR) and kept for the process; None where it cannot be built, so that its
+caller falls back to torch ops."""
+import logging
+from dataclasses import dataclass, field
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class CppKernel:
+    name: str
+    source: str
+    functions: list[str]
+    compiler_flags: list[str]
+    fallback: str  # what serves instead, for the warning
+    _module: object | None = field(default=None, init=False)
+    _tried: bool = field(default=False, init=False)
+
+    def get(self):
+        """The compiled extension (built, or read from the cache, on the first call); None where it cannot be built."""
+        if not self._tried:
+            self._tried = True
+            from torch.utils.cpp_extension import load_inline
+
+            try:
+                self._module = load_inline(self.name, cpp_sources=self.source, functions=self.functions,
+                                           extra_cflags=self.compiler_flags, extra_ldflags=["-fopenmp"])
+            except Exception as error:  # no compiler, no ninja, a toolchain error
+                logger.warning("the C++ kernel %s could not be built (%s); %s", self.name, error, self.fallback)
+        return self._module
