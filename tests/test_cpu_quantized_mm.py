@@ -6,7 +6,7 @@ import torch
 
 from llmc.quant.qtypes import QuantArgs, QuantizedWeight, quantize_activation, quantize_weight
 from llmc.quant.quantized_mm import codes_mm, int8_mm, quantized_linear, scale_sums
-from llmc.runtime.layers import cpu_quantized_mm
+from llmc.runtime.layers import cpu_int8_gemm, cpu_quantized_mm
 from llmc.runtime.layers.linear import build_linear
 from llmc.runtime.layers.linear_weight import LinearWeight
 from llmc.runtime.layers.quantized_input_linear import QuantizedInputLinear
@@ -82,7 +82,8 @@ def test_w8a8_layer_gives_the_torch_ops_bits_and_rows_their_own(dtype):
     weight.input_activations = PER_TOKEN
     bias = torch.randn(96)
     layer = build_linear([LinearWeight(weight, bias)], dtype, "cpu")
-    assert isinstance(layer, QuantizedInputLinear) and layer.kernels.codes_matmul is codes_mm
+    expected_matmul = cpu_int8_gemm.PackedInt8Matmul if cpu_int8_gemm.available() else type(codes_mm)
+    assert isinstance(layer, QuantizedInputLinear) and isinstance(layer.kernels.codes_matmul, expected_matmul)
     assert layer.kernels.quantize_input is cpu_quantized_mm.quantize_activation_cpu
     assert layer.kernels.scale_sums is cpu_quantized_mm.scale_sums_cpu
     x = inputs(dtype)

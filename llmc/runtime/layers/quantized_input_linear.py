@@ -6,7 +6,7 @@ from torch import nn
 
 from llmc.quant.qtypes import QuantizedWeight, quantize_activation
 from llmc.quant.quantized_mm import Kernels, codes_mm, quantized_linear
-from llmc.runtime.layers import cpu_quantized_mm
+from llmc.runtime.layers import cpu_int8_gemm, cpu_quantized_mm
 from llmc.runtime.layers.linear_weight import LinearWeight
 from llmc.runtime.layers.onednn_packed import packs_for_onednn
 
@@ -38,7 +38,11 @@ class QuantizedInputLinear(nn.Module):
     def _cpu_kernels(self, codes: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """The CPU kernels these weights and inputs take (layers/cpu_quantized_mm.py); returns the codes to keep."""
         packs_fp8 = self.args.type == "float" and self.args.strategy != "block" and packs_for_onednn(dtype, "cpu")
-        codes_matmul = cpu_quantized_mm.PackedFp8Matmul(codes) if packs_fp8 else codes_mm
+        codes_matmul = codes_mm
+        if packs_fp8:
+            codes_matmul = cpu_quantized_mm.PackedFp8Matmul(codes)
+        elif self.args.type == "int" and cpu_int8_gemm.available():
+            codes_matmul = cpu_int8_gemm.PackedInt8Matmul(codes)
         if cpu_quantized_mm.compiled_kernel() is None:
             self.kernels = Kernels(codes_matmul=codes_matmul)
         else:
