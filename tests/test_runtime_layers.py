@@ -116,9 +116,10 @@ def test_merged_projections_split_back_to_each_output():
     torch.testing.assert_close(third, x @ parts[2].weight.t())
 
 
-def paged_cache(seed=0, num_blocks=12, dtype=torch.float32):
+def paged_cache(seed=0, num_blocks=12, dtype=torch.float32, num_kv_heads=2, head_dim=16):
     g = torch.Generator().manual_seed(seed)
-    return (torch.randn(num_blocks, 16, 2, 16, generator=g).to(dtype), torch.randn(num_blocks, 16, 2, 16, generator=g).to(dtype))
+    shape = (num_blocks, 16, num_kv_heads, head_dim)
+    return torch.randn(*shape, generator=g).to(dtype), torch.randn(*shape, generator=g).to(dtype)
 
 
 def test_paged_reference_equals_contiguous_attention():
@@ -189,25 +190,29 @@ def test_greedy_tokens_are_the_argmax_with_the_first_index_on_ties():
 
 
 @pytest.mark.parametrize("shape", [ScoreShape(), ScoreShape(window=9, softcap=2.0)], ids=["plain", "window-softcap"])
-def test_cpu_decode_kernel_equals_the_reference_and_keeps_each_rows_bits(shape):
-    """The C++ kernel (compiled on first use) against the torch reference in float32; in bfloat16 a row's bits do not
-    depend on its batch, and reading a row by its key slots (draft rows) gives the bits reading it by blocks does."""
+@pytest.mark.parametrize("num_heads, num_kv_heads, head_dim", [(4, 2, 16), (9, 3, 64), (8, 1, 128), (14, 2, 64)])
+def test_cpu_decode_kernel_equals_the_reference_and_keeps_each_rows_bits(shape, num_heads, num_kv_heads, head_dim):
+    """The C++ kernel (compiled on first use) against the torch reference in float32; in bfloat16 and float16 a row's
+    bits do not depend on its batch, and reading a row by its key slots (draft rows) gives the bits reading it by
+    blocks does. Head sizes 64 and 128 take the explicit AVX-512 path (query groups of 3, 8 and 7: tiles of 6 and 3
+    heads and their remainders), 16 the compiler's."""
     if compiled_kernel() is None:
         pytest.skip("no C++ toolchain: the engine decodes on the reference")
     generator = torch.Generator().manual_seed(2)
     block_tables = torch.randperm(24, generator=generator)[:20].view(5, 4)
     context_lens = torch.tensor([17, 30, 64, 3, 20])
-    for dtype in (torch.float32, torch.bfloat16):
-        k_cache, v_cache = paged_cache(num_blocks=24, dtype=dtype)
-        query = torch.randn(5, 4, 16, generator=generator).to(dtype)
-        got = decode_attention_cpu(query, k_cache, v_cache, block_tables, context_lens, 0.25, shape=shape)
-        expected = decode_attention_reference(query, k_cache, v_cache, block_tables, context_lens, 0.25, shape=shape)
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        k_cache, v_cache = paged_cache(num_blocks=24, dtype=dtype, num_kv_heads=num_kv_heads, head_dim=head_dim)
+        query = torch.randn(5, num_heads, head_dim, generator=generator).to(dtype)
+        scale = head_dim**-0.5
+        got = decode_attention_cpu(query, k_cache, v_cache, block_tables, context_lens, scale, shape=shape)
+        expected = decode_attention_reference(query, k_cache, v_cache, block_tables, context_lens, scale, shape=shape)
         tolerance = 1e-5 if dtype == torch.float32 else 1e-2
         torch.testing.assert_close(got, expected, atol=tolerance, rtol=tolerance)
         for row in range(5):
             alone = decode_attention_cpu(query[row : row + 1], k_cache, v_cache, block_tables[row : row + 1],
-                                         context_lens[row : row + 1], 0.25, shape=shape)
+                                         context_lens[row : row + 1], scale, shape=shape)
             assert torch.equal(got[row : row + 1], alone)
         slots = (block_tables[:, :, None] * 16 + torch.arange(16)).flatten(1)
-        by_slot = attend_rows_cpu(query, k_cache, v_cache, [DecodeRows(torch.arange(5), slots, context_lens)], 0.25, shape=shape)
+        by_slot = attend_rows_cpu(query, k_cache, v_cache, [DecodeRows(torch.arange(5), slots, context_lens)], scale, shape=shape)
         assert torch.equal(by_slot, got)

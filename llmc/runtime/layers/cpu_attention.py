@@ -15,6 +15,7 @@ SOURCE = r"""
 #include <ATen/Parallel.h>
 #include <cmath>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 // element i of a cache row as float; bfloat16 widened by a shift the compiler vectorizes
@@ -28,6 +29,102 @@ inline float load<c10::BFloat16>(const c10::BFloat16* row, int64_t i) {
   return value;
 }
 
+#if defined(__AVX512F__)
+#include <immintrin.h>
+// 16 cache elements widened to float32: bfloat16 by a shift, float16 by the conversion instruction
+static inline __m512 widen16(const float* p) { return _mm512_loadu_ps(p); }
+static inline __m512 widen16(const c10::BFloat16* p) {
+  const __m256i bits = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
+}
+static inline __m512 widen16(const c10::Half* p) { return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))); }
+
+// scores[g * count + i] = q[g] . key i, for head_dim = 16 * J: a key row is widened once into registers for the group
+template <typename T, int J>
+static void key_scores(const float* q, const T* const* keys, int64_t count, int64_t group, float* scores) {
+  for (int64_t i = 0; i < count; ++i) {
+    __m512 key[J];
+#pragma GCC unroll 8
+    for (int j = 0; j < J; ++j) key[j] = widen16(keys[i] + 16 * j);
+    for (int64_t g = 0; g < group; ++g) {
+      __m512 dot = _mm512_mul_ps(_mm512_loadu_ps(q + g * 16 * J), key[0]);
+#pragma GCC unroll 8
+      for (int j = 1; j < J; ++j) dot = _mm512_fmadd_ps(_mm512_loadu_ps(q + (g * J + j) * 16), key[j], dot);
+      scores[g * count + i] = _mm512_reduce_add_ps(dot);
+    }
+  }
+}
+
+// acc[g] = sum_i weights[g * count + i] * value i for G query heads from `first_head`, the sums held in registers
+template <typename T, int J, int G>
+static void weighted_values(const float* weights, const T* const* values, int64_t count, int64_t first_head, float* acc) {
+  __m512 sums[G][J];
+#pragma GCC unroll 8
+  for (int g = 0; g < G; ++g)
+#pragma GCC unroll 8
+    for (int j = 0; j < J; ++j) sums[g][j] = _mm512_setzero_ps();
+  for (int64_t i = 0; i < count; ++i) {
+    __m512 value[J];
+#pragma GCC unroll 8
+    for (int j = 0; j < J; ++j) value[j] = widen16(values[i] + 16 * j);
+#pragma GCC unroll 8
+    for (int g = 0; g < G; ++g) {
+      const __m512 weight = _mm512_set1_ps(weights[(first_head + g) * count + i]);
+#pragma GCC unroll 8
+      for (int j = 0; j < J; ++j) sums[g][j] = _mm512_fmadd_ps(weight, value[j], sums[g][j]);
+    }
+  }
+#pragma GCC unroll 8
+  for (int g = 0; g < G; ++g)
+#pragma GCC unroll 8
+    for (int j = 0; j < J; ++j) _mm512_storeu_ps(acc + ((first_head + g) * J + j) * 16, sums[g][j]);
+}
+
+// the group's heads in tiles of at most G (24 / J sums in registers), the last tile narrower
+template <typename T, int J, int G = 24 / J>
+static void all_weighted_values(const float* weights, const T* const* values, int64_t count, int64_t group, int64_t first_head,
+                                float* acc) {
+  const int64_t left = group - first_head;
+  if constexpr (G > 1) {
+    if (left < G) return all_weighted_values<T, J, G - 1>(weights, values, count, group, first_head, acc);
+  }
+  weighted_values<T, J, G>(weights, values, count, first_head, acc);
+  if (left > G) all_weighted_values<T, J>(weights, values, count, group, first_head + G, acc);
+}
+#endif
+
+// scores[g * count + i] = q[g] . key i, and acc[g] = sum_i weights[g * count + i] * value i; head_dim 64 and 128
+// explicitly vectorized where the CPU has AVX-512, any head_dim by the compiler's vectorization
+template <typename T>
+static void item_scores(const float* q, const T* const* keys, int64_t count, int64_t group, int64_t head_dim, float* scores) {
+#if defined(__AVX512F__)
+  if constexpr (!std::is_same_v<T, double>) {
+    if (head_dim == 64) return key_scores<T, 4>(q, keys, count, group, scores);
+    if (head_dim == 128) return key_scores<T, 8>(q, keys, count, group, scores);
+  }
+#endif
+  for (int64_t i = 0; i < count; ++i)
+    for (int64_t g = 0; g < group; ++g) {
+      float dot = 0.f;
+      for (int64_t d = 0; d < head_dim; ++d) dot += q[g * head_dim + d] * load(keys[i], d);
+      scores[g * count + i] = dot;
+    }
+}
+
+template <typename T>
+static void item_values(const float* weights, const T* const* values, int64_t count, int64_t group, int64_t head_dim, float* acc) {
+#if defined(__AVX512F__)
+  if constexpr (!std::is_same_v<T, double>) {
+    if (head_dim == 64) return all_weighted_values<T, 4>(weights, values, count, group, 0, acc);
+    if (head_dim == 128) return all_weighted_values<T, 8>(weights, values, count, group, 0, acc);
+  }
+#endif
+  std::fill(acc, acc + group * head_dim, 0.f);
+  for (int64_t i = 0; i < count; ++i)
+    for (int64_t g = 0; g < group; ++g)
+      for (int64_t d = 0; d < head_dim; ++d) acc[g * head_dim + d] += weights[g * count + i] * load(values[i], d);
+}
+
 // tables: per row, its blocks (a block table) or, with by_slot, the cache slot of each key position
 template <typename T>
 static void decode_kernel(const T* query, const T* k_cache, const T* v_cache, const int64_t* tables,
@@ -38,46 +135,39 @@ static void decode_kernel(const T* query, const T* k_cache, const T* v_cache, co
   const int64_t token_stride = num_kv_heads * head_dim;
   at::parallel_for(0, num_seqs * num_kv_heads, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> q(group * head_dim), scores, acc(group * head_dim);
+    std::vector<const T*> keys, values;
     for (int64_t item = begin; item < end; ++item) {
       const int64_t seq = item / num_kv_heads, kv_head = item % num_kv_heads;
       const int64_t length = context_lens[seq];
       const int64_t first = window > 0 ? std::max<int64_t>(0, length - window) : 0;
       const int64_t* table = tables + seq * table_width;
-      auto offset = [&](int64_t pos) {
+      const int64_t count = length - first;
+      keys.resize(count);
+      values.resize(count);
+      for (int64_t pos = first; pos < length; ++pos) {
         const int64_t slot = by_slot ? table[pos] : table[pos / block_size] * block_size + pos % block_size;
-        return slot * token_stride + kv_head * head_dim;
-      };
+        keys[pos - first] = k_cache + slot * token_stride + kv_head * head_dim;
+        values[pos - first] = v_cache + slot * token_stride + kv_head * head_dim;
+      }
       for (int64_t g = 0; g < group; ++g)
         for (int64_t d = 0; d < head_dim; ++d)
           q[g * head_dim + d] = load(query, (seq * num_heads + kv_head * group + g) * head_dim + d);
-      const int64_t count = length - first;
-      scores.assign(group * count, 0.f);
-      for (int64_t pos = first; pos < length; ++pos) {
-        const T* key = k_cache + offset(pos);
-        for (int64_t g = 0; g < group; ++g) {
-          float dot = 0.f;
-          for (int64_t d = 0; d < head_dim; ++d) dot += q[g * head_dim + d] * load(key, d);
-          float score = dot * static_cast<float>(scale);
-          if (softcap > 0) score = std::tanh(score / static_cast<float>(softcap)) * static_cast<float>(softcap);
-          scores[g * count + pos - first] = score;
-        }
-      }
-      std::fill(acc.begin(), acc.end(), 0.f);
+      scores.resize(group * count);
+      item_scores(q.data(), keys.data(), count, group, head_dim, scores.data());
       for (int64_t g = 0; g < group; ++g) {
         float* row = scores.data() + g * count;
+        for (int64_t i = 0; i < count; ++i) {
+          float score = row[i] * static_cast<float>(scale);
+          if (softcap > 0) score = std::tanh(score / static_cast<float>(softcap)) * static_cast<float>(softcap);
+          row[i] = score;
+        }
         float top = row[0];  // no infinities: the fast-math build assumes finite values
         for (int64_t i = 1; i < count; ++i) top = std::max(top, row[i]);
         float total = 0.f;
         for (int64_t i = 0; i < count; ++i) { row[i] = std::exp(row[i] - top); total += row[i]; }
         for (int64_t i = 0; i < count; ++i) row[i] /= total;
       }
-      for (int64_t pos = first; pos < length; ++pos) {
-        const T* value = v_cache + offset(pos);
-        for (int64_t g = 0; g < group; ++g) {
-          const float weight = scores[g * count + pos - first];
-          for (int64_t d = 0; d < head_dim; ++d) acc[g * head_dim + d] += weight * load(value, d);
-        }
-      }
+      item_values(scores.data(), values.data(), count, group, head_dim, acc.data());
       for (int64_t g = 0; g < group; ++g)
         for (int64_t d = 0; d < head_dim; ++d)
           out[(seq * num_heads + kv_head * group + g) * head_dim + d] = static_cast<T>(acc[g * head_dim + d]);
