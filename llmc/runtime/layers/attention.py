@@ -169,10 +169,11 @@ def prefill_attention_reference(
         mask, is_causal = None, True
     else:
         mask, is_causal = visible_keys(query_len, context_len, shape.window, query.device), False
+    # batched 4-D inputs: torch's CPU flash kernel takes them (grouped heads too), 3-D ones fall to the unfused math path
     out = F.scaled_dot_product_attention(
-        query.transpose(0, 1), keys, values, attn_mask=mask, is_causal=is_causal, scale=scale, enable_gqa=True
+        query.transpose(0, 1)[None], keys[None], values[None], attn_mask=mask, is_causal=is_causal, scale=scale, enable_gqa=True
     )
-    return out.transpose(0, 1)
+    return out[0].transpose(0, 1)
 
 
 class PagedAttention(nn.Module):
