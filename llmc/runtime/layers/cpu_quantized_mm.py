@@ -21,24 +21,66 @@ SOURCE = r"""
 #include <cmath>
 #include <type_traits>
 
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+#include <immintrin.h>
+#define LLMC_AVX512 1
+static inline __m512 widen16(const float* p) { return _mm512_loadu_ps(p); }
+static inline __m512 widen16(const c10::BFloat16* p) {
+  const __m256i bits = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
+}
+static inline __m512 widen16(const c10::Half* p) { return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))); }
+
+// the scalar loop's operations 16 at a time, each IEEE-exact (max, division, round half to even, clamp): the same bits
+template <typename T>
+static int64_t absmax_int8_head(const T* values, int64_t features, float* absmax) {
+  __m512 top = _mm512_setzero_ps();
+  int64_t i = 0;
+  for (; i + 16 <= features; i += 16) top = _mm512_max_ps(top, _mm512_abs_ps(widen16(values + i)));
+  *absmax = _mm512_reduce_max_ps(top);
+  return i;
+}
+
+template <typename T>
+static int64_t codes_int8_head(const T* values, int64_t features, float scale, float qmin, float qmax, int8_t* out) {
+  const __m512 divisor = _mm512_set1_ps(scale), low = _mm512_set1_ps(qmin), high = _mm512_set1_ps(qmax);
+  int64_t i = 0;
+  for (; i + 16 <= features; i += 16) {
+    const __m512 rounded = _mm512_roundscale_ps(_mm512_div_ps(widen16(values + i), divisor), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const __m512 clamped = _mm512_min_ps(_mm512_max_ps(rounded, low), high);
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(out + i), _mm512_cvtepi32_epi8(_mm512_cvtps_epi32(clamped)));
+  }
+  return i;
+}
+#endif
+
 template <typename T, typename Code>
 static void quantize_rows_kernel(const T* x, Code* codes, float* scales, int64_t rows, int64_t features,
                                  const float* static_scale, float half_range, float qmin, float qmax) {
+  constexpr bool vectorized_int8 = std::is_same_v<Code, int8_t> && !std::is_same_v<T, double>;
   at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
     for (int64_t row = begin; row < end; ++row) {
       const T* values = x + row * features;
+      Code* out = codes + row * features;
       float scale;
       if (static_scale != nullptr) {
         scale = *static_scale;
       } else {
         float absmax = 0.f;
-        for (int64_t i = 0; i < features; ++i) absmax = std::max(absmax, std::fabs(static_cast<float>(values[i])));
+        int64_t i = 0;
+#ifdef LLMC_AVX512
+        if constexpr (vectorized_int8) i = absmax_int8_head(values, features, &absmax);
+#endif
+        for (; i < features; ++i) absmax = std::max(absmax, std::fabs(static_cast<float>(values[i])));
         scale = absmax / half_range;
         if (scale == 0.f) scale = FLT_EPSILON;
         scales[row] = scale;
       }
-      Code* out = codes + row * features;
-      for (int64_t i = 0; i < features; ++i) {
+      int64_t i = 0;
+#ifdef LLMC_AVX512
+      if constexpr (vectorized_int8) i = codes_int8_head(values, features, scale, qmin, qmax, out);
+#endif
+      for (; i < features; ++i) {
         const float scaled = static_cast<float>(values[i]) / scale;
         if constexpr (std::is_same_v<Code, int8_t>)
           out[i] = static_cast<int8_t>(std::min(std::max(std::nearbyint(scaled), qmin), qmax));
