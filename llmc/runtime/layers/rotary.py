@@ -5,6 +5,7 @@ from torch import nn
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
 from llmc.errors import LlmcError
+from llmc.runtime.layers import cpu_elementwise
 
 UNSERVED_ROPE_TYPES = ("dynamic",)  # recomputed from the running length: no table serves every step
 
@@ -58,5 +59,7 @@ class RotaryEmbedding(nn.Module):
             from llmc.runtime.layers.triton_elementwise import rotary_triton
 
             return rotary_triton(states, positions, self.cos, self.sin)
+        if cpu_elementwise.serves(states, any_dtype=True):
+            return cpu_elementwise.rotary_cpu(states, positions, self.cos, self.sin)
         cos, sin = self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)  # [tokens, 1, rotary_dim]
         return states * cos + rotate_half(states) * sin
