@@ -72,11 +72,13 @@ def scale_sums(sums: torch.Tensor, act_scale: torch.Tensor, weight_scale: torch.
 
 @dataclass(frozen=True, slots=True)
 class Kernels:
-    """quantize_input: quantize_activation's contract; codes_matmul: codes_mm's; scale_sums: scale_sums'."""
+    """quantize_input: quantize_activation's contract; codes_matmul: codes_mm's; scale_sums: scale_sums';
+    scaled_matmul (codes, act_scale, weight, bias, dtype): scale_sums of codes_matmul in one kernel, where there is one."""
 
     quantize_input: Callable = quantize_activation
     codes_matmul: Callable = codes_mm
     scale_sums: Callable = scale_sums
+    scaled_matmul: Callable | None = None
 
 
 def quantized_linear(
@@ -92,7 +94,10 @@ def quantized_linear(
     elif args.type == "float" and x.is_cuda:
         out = _fp8_mm_scaled(codes, act_scale, weight, x.dtype)
     else:
-        out = kernels.scale_sums(kernels.codes_matmul(codes, weight.codes), act_scale, weight.scale, bias, x.dtype)
+        if kernels.scaled_matmul is not None:
+            out = kernels.scaled_matmul(codes, act_scale, weight, bias, x.dtype)
+        else:
+            out = kernels.scale_sums(kernels.codes_matmul(codes, weight.codes), act_scale, weight.scale, bias, x.dtype)
         return out.reshape(*x.shape[:-1], -1)
     if bias is not None:
         out = out + bias

@@ -5,7 +5,7 @@ import torch
 from torch import nn
 
 from llmc.quant.qtypes import QuantizedWeight, quantize_activation
-from llmc.quant.quantized_mm import Kernels, codes_mm, quantized_linear
+from llmc.quant.quantized_mm import Kernels, codes_mm, quantized_linear, scale_sums
 from llmc.runtime.layers import cpu_int8_gemm, cpu_quantized_mm
 from llmc.runtime.layers.linear_weight import LinearWeight
 from llmc.runtime.layers.onednn_packed import packs_for_onednn
@@ -36,20 +36,21 @@ class QuantizedInputLinear(nn.Module):
         self.bias = None if weight.bias is None else nn.Parameter(weight.bias.to(device, dtype), requires_grad=False)
 
     def _cpu_kernels(self, codes: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        """The CPU kernels these weights and inputs take (layers/cpu_quantized_mm.py); returns the codes to keep."""
+        """The CPU kernels these weights and inputs take (layers/cpu_quantized_mm.py, cpu_int8_gemm.py); returns the
+        codes to keep."""
         packs_fp8 = self.args.type == "float" and self.args.strategy != "block" and packs_for_onednn(dtype, "cpu")
-        codes_matmul = codes_mm
-        if packs_fp8:
-            codes_matmul = cpu_quantized_mm.PackedFp8Matmul(codes)
-        elif self.args.type == "int" and cpu_int8_gemm.available():
-            codes_matmul = cpu_int8_gemm.PackedInt8Matmul(codes)
-        if cpu_quantized_mm.compiled_kernel() is None:
-            self.kernels = Kernels(codes_matmul=codes_matmul)
-        else:
-            quantize_input = quantize_activation
+        quantize_input, scale = quantize_activation, scale_sums
+        if cpu_quantized_mm.compiled_kernel() is not None:
+            scale = cpu_quantized_mm.scale_sums_cpu
             if cpu_quantized_mm.kernel_quantizes(self.input_activations):
                 quantize_input = cpu_quantized_mm.quantize_fp8_as_bfloat16 if packs_fp8 else cpu_quantized_mm.quantize_activation_cpu
-            self.kernels = Kernels(quantize_input, codes_matmul, cpu_quantized_mm.scale_sums_cpu)
+        if packs_fp8:
+            self.kernels = Kernels(quantize_input, cpu_quantized_mm.PackedFp8Matmul(codes), scale)
+        elif self.args.type == "int" and cpu_int8_gemm.available():
+            packed = cpu_int8_gemm.PackedInt8Matmul(codes, scale)
+            self.kernels = Kernels(quantize_input, packed, scale, packed.scaled)
+        else:
+            self.kernels = Kernels(quantize_input, codes_mm, scale)
         if self.args.type == "int" or packs_fp8:
             return codes
         return codes.float()  # float32 holds E4M3 exactly: converted once, not every call
