@@ -39,10 +39,22 @@ static inline __m512 widen16(const c10::BFloat16* p) {
 }
 static inline __m512 widen16(const c10::Half* p) { return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))); }
 
-// scores[g * count + i] = q[g] . key i, for head_dim = 16 * J: a key row is widened once into registers for the group
+// a cache row's lines asked for ahead of use: rows lie a block apart, where the hardware's stride prefetch stops
+constexpr int64_t kAhead = 8;  // positions
+template <typename T, int J, int Hint>
+static inline void prefetch_row(const T* row) {
+#pragma GCC unroll 8
+  for (int line = 0; line < int(16 * J * sizeof(T) / 64); ++line)
+    _mm_prefetch(reinterpret_cast<const char*>(row) + 64 * line, static_cast<_mm_hint>(Hint));
+}
+
+// scores[g * count + i] = q[g] . key i, for head_dim = 16 * J: a key row is widened once into registers for the group;
+// the value rows are fetched meanwhile, for weighted_values
 template <typename T, int J>
-static void key_scores(const float* q, const T* const* keys, int64_t count, int64_t group, float* scores) {
+static void key_scores(const float* q, const T* const* keys, const T* const* values, int64_t count, int64_t group, float* scores) {
   for (int64_t i = 0; i < count; ++i) {
+    if (i + kAhead < count) prefetch_row<T, J, _MM_HINT_T0>(keys[i + kAhead]);
+    prefetch_row<T, J, _MM_HINT_T1>(values[i]);
     __m512 key[J];
 #pragma GCC unroll 8
     for (int j = 0; j < J; ++j) key[j] = widen16(keys[i] + 16 * j);
@@ -64,6 +76,7 @@ static void weighted_values(const float* weights, const T* const* values, int64_
 #pragma GCC unroll 8
     for (int j = 0; j < J; ++j) sums[g][j] = _mm512_setzero_ps();
   for (int64_t i = 0; i < count; ++i) {
+    if (i + kAhead < count) prefetch_row<T, J, _MM_HINT_T0>(values[i + kAhead]);
     __m512 value[J];
 #pragma GCC unroll 8
     for (int j = 0; j < J; ++j) value[j] = widen16(values[i] + 16 * j);
@@ -96,11 +109,12 @@ static void all_weighted_values(const float* weights, const T* const* values, in
 // scores[g * count + i] = q[g] . key i, and acc[g] = sum_i weights[g * count + i] * value i; head_dim 64 and 128
 // explicitly vectorized where the CPU has AVX-512, any head_dim by the compiler's vectorization
 template <typename T>
-static void item_scores(const float* q, const T* const* keys, int64_t count, int64_t group, int64_t head_dim, float* scores) {
+static void item_scores(const float* q, const T* const* keys, const T* const* values, int64_t count, int64_t group,
+                        int64_t head_dim, float* scores) {
 #if defined(__AVX512F__)
   if constexpr (!std::is_same_v<T, double>) {
-    if (head_dim == 64) return key_scores<T, 4>(q, keys, count, group, scores);
-    if (head_dim == 128) return key_scores<T, 8>(q, keys, count, group, scores);
+    if (head_dim == 64) return key_scores<T, 4>(q, keys, values, count, group, scores);
+    if (head_dim == 128) return key_scores<T, 8>(q, keys, values, count, group, scores);
   }
 #endif
   for (int64_t i = 0; i < count; ++i)
@@ -153,7 +167,7 @@ static void decode_kernel(const T* query, const T* k_cache, const T* v_cache, co
         for (int64_t d = 0; d < head_dim; ++d)
           q[g * head_dim + d] = load(query, (seq * num_heads + kv_head * group + g) * head_dim + d);
       scores.resize(group * count);
-      item_scores(q.data(), keys.data(), count, group, head_dim, scores.data());
+      item_scores(q.data(), keys.data(), values.data(), count, group, head_dim, scores.data());
       for (int64_t g = 0; g < group; ++g) {
         float* row = scores.data() + g * count;
         for (int64_t i = 0; i < count; ++i) {
