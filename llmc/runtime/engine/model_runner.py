@@ -11,7 +11,9 @@ from llmc.runtime.engine.config import EngineConfig
 from llmc.runtime.engine.cuda_graphs import DecodeGraphs
 from llmc.runtime.engine.grammar import masked_logits
 from llmc.runtime.engine.sequence import Sequence
+from llmc.runtime.layers import cpu_attention, cpu_elementwise, cpu_int8_gemm, cpu_quantized_mm
 from llmc.runtime.layers.attention import AttentionMetadata, DecodeRows, decode_buckets, padded_length
+from llmc.runtime.layers.cpp_kernel import CppKernel, build_concurrently
 from llmc.runtime.layers.cpu_attention import attend_rows_cpu, compiled_kernel, decode_attention_cpu
 from llmc.runtime.layers.int4_amx import amx_available
 from llmc.runtime.layers.linear import Int4CpuLinear
@@ -53,6 +55,18 @@ def int4_dense_copy_rows(config: EngineConfig) -> int | None:
     return config.max_eager_int4_rows if config.int4_dense_copy and not uses_amx(config) else None
 
 
+def cpu_kernels(weights: WeightLoader, config: EngineConfig) -> list[CppKernel]:
+    """The C++ extensions serving this checkpoint on the CPU: norms and rotary, decode attention unless turned off,
+    input quantization where Linears quantize their inputs, the packed int8 GEMM where those are int8."""
+    kernels = [cpu_elementwise.KERNEL] + ([cpu_attention.KERNEL] if config.cpu_decode_kernel else [])
+    quantized_inputs = [weight_args for _, weight_args, input_args in weights.schemes if input_args is not None]
+    if quantized_inputs:
+        kernels.append(cpu_quantized_mm.KERNEL)
+    if any(weight_args.type == "int" for weight_args in quantized_inputs):
+        kernels.append(cpu_int8_gemm.KERNEL)
+    return kernels
+
+
 class ModelRunner:
     """Owns the model and the paged KV cache; turns scheduled sequences into one flat batch and samples. On CUDA,
     decode-only steps replay CUDA graphs captured per batch size."""
@@ -64,6 +78,8 @@ class ModelRunner:
         if config.aux_hidden_layers and not config.keep_hidden_states:
             raise LlmcError("aux_hidden_layers are kept with keep_hidden_states only")
         aux_layers = aux_layer_ids(config.aux_hidden_layers, hf_config.num_hidden_layers, "aux_hidden_layers")
+        if config.device == "cpu":
+            build_concurrently(cpu_kernels(weights, config))  # before the layers ask for them one by one
         self.hf_config = hf_config
         self.keep_hidden_states = config.keep_hidden_states
         self.block_size = config.block_size

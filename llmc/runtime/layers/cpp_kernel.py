@@ -2,6 +2,7 @@
 torch's extension folder, TORCH_EXTENSIONS_DIR) and kept for the process; None where it cannot be built, so that its
 caller falls back to torch ops."""
 import logging
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 logger = logging.getLogger(__name__)
@@ -29,3 +30,10 @@ class CppKernel:
             except Exception as error:  # no compiler, no ninja, a toolchain error
                 logger.warning("the C++ kernel %s could not be built (%s); %s", self.name, error, self.fallback)
         return self._module
+
+
+def build_concurrently(kernels: list[CppKernel]) -> None:
+    """Build (or read from the cache) these extensions side by side: each compiler runs in its own process, so a
+    first start on several cores waits for the slowest build, not their sum."""
+    with ThreadPoolExecutor(max_workers=max(1, len(kernels))) as pool:
+        list(pool.map(CppKernel.get, kernels))
