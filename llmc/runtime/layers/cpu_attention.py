@@ -1,10 +1,13 @@
 """Paged decode attention on the CPU as one C++ kernel: for each (sequence, KV head) it reads the sequence's K/V
 blocks through its block table where they lie in the cache (no gather, no float32 copy of the cache), computes the
 scores of the query heads that share the KV head in float32, soft-caps them, masks the keys out of the sliding
-window, and sums the softmax-weighted values, keys in position order. A row's arithmetic depends on its own
-length only, so its result is the same whatever rows share the step. Compiled with the machine's compiler on first
-use (torch.utils.cpp_extension, about 25 s on 2 cores, cached for later runs in torch's extension folder,
-TORCH_EXTENSIONS_DIR); where that fails, decoding keeps the torch reference (attention.decode_attention_reference)."""
+window, and sums the softmax-weighted values, keys in position order. Head sizes 64 and 128 are written out in
+AVX-512 where the compiler has it: each key and value row widened to float32 once for the whole query group, the
+group's value sums held in registers, rows fetched ahead (the compiler left the bfloat16 loops scalar). A row's
+arithmetic depends on its own length only, so its result is the same whatever rows share the step. Compiled with
+the machine's compiler on first use (torch.utils.cpp_extension, about 25 s on 2 cores, cached for later runs in
+torch's extension folder, TORCH_EXTENSIONS_DIR); where that fails, decoding keeps the torch reference
+(attention.decode_attention_reference)."""
 import torch
 
 from llmc.runtime.layers.attention import PLAIN, DecodeRows, ScoreShape
