@@ -80,6 +80,8 @@ class RandomWeights:
     def __init__(self, config: LlamaConfig, fmt: Format, dtype: torch.dtype, device: str):
         self.format, self.dtype, self.device = fmt, dtype, device
         self.kv_cache_dtype = torch.float8_e4m3fn if fmt.fp8_kv_cache else dtype
+        # (targets, weight args, input-activation args), as an artifact's config groups read back
+        self.schemes = [(["Linear"], fmt.weights, fmt.input_activations)] if fmt.weights is not None else []
         head_dim = config.hidden_size // config.num_attention_heads
         hidden, inter = config.hidden_size, config.intermediate_size
         self.shapes = {
