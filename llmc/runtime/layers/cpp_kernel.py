@@ -7,6 +7,22 @@ from dataclasses import dataclass, field
 
 logger = logging.getLogger(__name__)
 
+# C++ for the kernels' sources to start with: where the compiler targets AVX-512, widen16 loads 16 float32, bfloat16
+# (widened by a shift) or float16 values as float32
+WIDEN16 = r"""
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+static inline __m512 widen16(const float* p) { return _mm512_loadu_ps(p); }
+static inline __m512 widen16(const c10::BFloat16* p) {
+  const __m256i bits = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
+}
+static inline __m512 widen16(const c10::Half* p) { return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))); }
+#endif
+"""
+
 
 @dataclass
 class CppKernel:

@@ -11,9 +11,9 @@ torch's extension folder, TORCH_EXTENSIONS_DIR); where that fails, decoding keep
 import torch
 
 from llmc.runtime.layers.attention import PLAIN, DecodeRows, ScoreShape
-from llmc.runtime.layers.cpp_kernel import CppKernel
+from llmc.runtime.layers.cpp_kernel import WIDEN16, CppKernel
 
-SOURCE = r"""
+SOURCE = WIDEN16 + r"""
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <cmath>
@@ -33,15 +33,6 @@ inline float load<c10::BFloat16>(const c10::BFloat16* row, int64_t i) {
 }
 
 #if defined(__AVX512F__)
-#include <immintrin.h>
-// 16 cache elements widened to float32: bfloat16 by a shift, float16 by the conversion instruction
-static inline __m512 widen16(const float* p) { return _mm512_loadu_ps(p); }
-static inline __m512 widen16(const c10::BFloat16* p) {
-  const __m256i bits = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
-}
-static inline __m512 widen16(const c10::Half* p) { return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))); }
-
 // a cache row's lines asked for ahead of use: rows lie a block apart, where the hardware's stride prefetch stops
 constexpr int64_t kAhead = 8;  // positions
 template <typename T, int J, int Hint>

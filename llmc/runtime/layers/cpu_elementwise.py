@@ -3,21 +3,17 @@ microseconds of dispatch: RMSNorm (seven ops) and the rotary embedding of q and 
 its own, so its bits do not depend on the rows beside it. The rotary kernel rounds as torch's ops do, one product
 and one sum at a time: the same bits, in every dtype. RMSNorm sums its squares in another order than torch's
 reduction, within float32 rounding, so it serves bfloat16 and float16 only; in float32, the reference dtype, the
-torch ops serve it (norm.py, rotary.py, models/llama.py). The
-CUDA counterparts are triton_elementwise.py. Compiled on first use like layers/cpu_attention.py; where that fails,
-the torch ops serve."""
+torch ops of norm.py serve it. The CUDA counterparts are triton_elementwise.py. Compiled on first use like
+layers/cpu_attention.py; where that fails, the torch ops serve."""
 import torch
 
-from llmc.runtime.layers.cpp_kernel import CppKernel
+from llmc.runtime.layers.cpp_kernel import WIDEN16, CppKernel
 
-SOURCE = r"""
+SOURCE = WIDEN16 + r"""
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <cmath>
 #include <type_traits>
-#if defined(__AVX512F__)
-#include <immintrin.h>
-#endif
 
 template <typename T>
 static inline T rounded(float value) { return static_cast<T>(value); }
@@ -35,8 +31,7 @@ static void rms_norm_kernel(const T* x, const W* weight, T* out, int64_t rows, i
       if constexpr (std::is_same_v<T, c10::BFloat16>) {
         __m512 sum = _mm512_setzero_ps();
         for (; i + 16 <= hidden; i += 16) {
-          const __m256i bits = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(values + i));
-          const __m512 v = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
+          const __m512 v = widen16(values + i);
           sum = _mm512_add_ps(sum, _mm512_mul_ps(v, v));
         }
         squares = _mm512_reduce_add_ps(sum);

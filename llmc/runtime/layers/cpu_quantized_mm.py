@@ -10,10 +10,10 @@ depend on the rows beside it. Compiled on first use like layers/cpu_attention.py
 import torch
 
 from llmc.quant.qtypes import QuantArgs
-from llmc.runtime.layers.cpp_kernel import CppKernel
+from llmc.runtime.layers.cpp_kernel import WIDEN16, CppKernel
 from llmc.runtime.layers.onednn_packed import PackedWeight
 
-SOURCE = r"""
+SOURCE = WIDEN16 + r"""
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <algorithm>
@@ -22,14 +22,7 @@ SOURCE = r"""
 #include <type_traits>
 
 #if defined(__AVX512F__) && defined(__AVX512BW__)
-#include <immintrin.h>
 #define LLMC_AVX512 1
-static inline __m512 widen16(const float* p) { return _mm512_loadu_ps(p); }
-static inline __m512 widen16(const c10::BFloat16* p) {
-  const __m256i bits = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
-}
-static inline __m512 widen16(const c10::Half* p) { return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))); }
 
 // the scalar loop's operations 16 at a time, each IEEE-exact (max, division, round half to even, clamp): the same bits
 template <typename T>
