@@ -1,5 +1,6 @@
 import json
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -12,6 +13,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig
 from llmc.draft.build import eagle3_aux_layers, save_eagle3
 from llmc.draft.config import DraftConfig
 from llmc.draft.data import load_distill_set, save_distill_set, self_distill
+from llmc.draft.eagle3 import train_eagle3
 from llmc.draft.export import VLLM_DIR, export_for_vllm
 from llmc.draft.losses import eagle3_loss
 from llmc.errors import LlmcError
@@ -102,6 +104,19 @@ def test_eagle3_learns_from_the_fused_layers(eagle3_folder):
     assert config["method"] == "eagle3" and config["aux_layer_ids"] == list(AUX_LAYERS) and len(top1) == 3
     assert top1[0] > 0.5  # a random draft over the vocabulary guesses ~1%
     assert torch.equal(draft.vocab[draft.t2d[draft.vocab]], draft.vocab) and int(draft.t2d.sum()) == len(draft.vocab)
+
+
+def test_eagle3_training_is_reproducible_from_its_seed(tiny_llama, distilled_aux):
+    """The seed fixes the draft's initial weights and its training windows: the same seed, the same draft."""
+    def trained_weights(seed: int, global_seed: int) -> dict[str, torch.Tensor]:
+        torch.manual_seed(global_seed)  # whatever the global generator holds beforehand
+        draft, _ = train_eagle3(distilled_aux, DraftConfig(method="eagle3", steps=2, batch_size=32, seed=seed), list(AUX_LAYERS),
+                                Path(tempfile.mkdtemp()), tiny_llama)
+        return draft.state_dict()
+
+    first, again, other = trained_weights(0, 1), trained_weights(0, 2), trained_weights(1, 1)
+    assert all(torch.equal(first[name], again[name]) for name in first)
+    assert not torch.equal(first["fc.weight"], other["fc.weight"])
 
 
 def test_export_writes_the_layout_vllm_loads(tmp_path, eagle3_folder):

@@ -15,7 +15,8 @@ from llmc.draft.eagle3 import train_eagle3
 from llmc.draft.export import VLLM_DIR, VLLM_METHODS, export_for_vllm
 from llmc.draft.losses import eagle_loss, medusa_labels, medusa_loss, unrolled
 from llmc.draft.train import TrainConfig, train
-from llmc.draft.vocabulary import EVAL_BATCHES, draft_vocabulary, held_out_split, held_out_windows, window_length
+from llmc.draft.vocabulary import draft_vocabulary, held_out_split
+from llmc.draft.windows import EVAL_BATCHES, WindowSampler, held_out_windows, top1_per_step, window_length
 from llmc.errors import LlmcError
 from llmc.prompts import check_prompt_files
 from llmc.runtime.engine.config import EngineConfig, native_bfloat16
@@ -131,6 +132,7 @@ def train_medusa(data: DistillSet, config: DraftConfig, folder: Path, device: to
     training, held_out = held_out_split(list(zip(data.token_ids, data.hidden, data.answer_starts)))
     vocab, to_vocab = draft_vocabulary([torch.tensor(ids[start:]) for ids, _, start in training], len(data.lm_head))
     hidden, labels = medusa_rows(training, to_vocab, config.num_heads)
+    torch.manual_seed(config.seed)  # the heads' initial weights
     heads = MedusaHeads.from_lm_head(data.lm_head, vocab, config.num_heads)
     generator = torch.Generator().manual_seed(config.seed)
 
@@ -175,39 +177,25 @@ def train_eagle(data: DistillSet, config: DraftConfig, folder: Path, artifact: P
     lm_head = data.lm_head[vocab].to(device)
     noise_scale = torch.cat([hidden for _, hidden, _ in training]).pow(2).mean().sqrt().item()
     shape = eagle_shape(artifact, len(vocab))
+    torch.manual_seed(config.seed)  # the draft's initial weights
     draft = EagleDraft(shape)
     draft.vocab.copy_(vocab)
-    generator = torch.Generator().manual_seed(config.seed)
-    num_windows = max(1, config.batch_size // window_len)
+    sampler = WindowSampler(window_len, unroll, max(1, config.batch_size // window_len), torch.Generator().manual_seed(config.seed))
 
     def window(ids: torch.Tensor, hidden: torch.Tensor, answer_start: int) -> tuple[torch.Tensor, ...]:
         """Pairs start..end - 1, and the unroll - 1 features and tokens past them that the deeper steps need."""
-        first = max(0, min(answer_start - 2 - window_len // 4, len(ids) - window_len - unroll - 1))
-        start = int(torch.randint(first, len(ids) - window_len - unroll, (), generator=generator))
+        start, labels = sampler.span(ids, answer_start, to_vocab)
         end = start + window_len
-        after = torch.arange(start + 2, end + unroll + 1)
-        labels = torch.where(after >= answer_start, to_vocab[ids[start + 2 : end + unroll + 1]], -100)
         return hidden[start : end + unroll], embeddings[ids[start + 1 : end + unroll]], torch.arange(start, end), labels
 
-    def batch(pool: list) -> list[torch.Tensor]:
-        picks = torch.randint(len(pool), (num_windows,), generator=generator).tolist()
-        return [torch.stack(parts).to(device) for parts in zip(*(window(*pool[index]) for index in picks))]
-
     def loss_fn(step: int) -> torch.Tensor:
-        return eagle_loss(draft, *batch(training), lm_head, noise_scale, unroll)
+        return eagle_loss(draft, *sampler.batch(training, window, device), lm_head, noise_scale, unroll)
 
-    def top1_per_step(pool: list, num_batches: int) -> list[float]:
-        """Per unrolled step, the share of answer tokens the draft ranks first, drafting from the target's features."""
-        hits, counted = torch.zeros(unroll), torch.zeros(unroll)
-        with torch.no_grad():
-            for _ in range(num_batches):
-                features, embedded, positions, labels = batch(pool)
-                for step, predicted in enumerate(unrolled(draft, features[:, :window_len], embedded, positions, unroll)):
-                    step_labels = labels[:, step : step + window_len]
-                    valid = step_labels != -100
-                    hits[step] += ((predicted @ lm_head.T).argmax(-1) == step_labels)[valid].sum().cpu()
-                    counted[step] += valid.sum().cpu()
-        return [round(value, 4) for value in (hits / counted.clamp(min=1)).tolist()]
+    def guesses(pool: list) -> tuple[list[torch.Tensor], torch.Tensor]:
+        """Each unrolled step's guesses, drafting from the target's features."""
+        features, embedded, positions, labels = sampler.batch(pool, window, device)
+        steps = unrolled(draft, features[:, :window_len], embedded, positions, unroll)
+        return [(predicted @ lm_head.T).argmax(-1) for predicted in steps], labels
 
     train_config = TrainConfig(steps=config.steps, lr=config.lr, seed=config.seed)
     losses = train(draft, loss_fn, train_config, folder, "eagle draft", device)
@@ -215,9 +203,9 @@ def train_eagle(data: DistillSet, config: DraftConfig, folder: Path, artifact: P
         "method": "eagle", "hidden_size": shape.hidden_size, "shape": asdict(shape),
         "trained_on": {"prompts": config.prompts, "num_answers": len(data.token_ids), "num_held_out": len(held_out),
                        "answer_tokens": data.num_answer_tokens},
-        "train": {"steps": config.steps, "batch_size": num_windows * window_len, "lr": config.lr, "final_loss": losses[-1],
-                  "unroll": unroll, "train_top1_per_step": top1_per_step(training, 1),
-                  "heldout_top1_per_step": top1_per_step(held_out, EVAL_BATCHES) if held_out else None},
+        "train": {"steps": config.steps, "batch_size": sampler.num_windows * window_len, "lr": config.lr, "final_loss": losses[-1],
+                  "unroll": unroll, "train_top1_per_step": top1_per_step(lambda: guesses(training), 1, window_len),
+                  "heldout_top1_per_step": top1_per_step(lambda: guesses(held_out), EVAL_BATCHES, window_len) if held_out else None},
     }
     save_heads(folder, draft)
     save_draft(folder, summary)

@@ -10,7 +10,8 @@ from llmc.draft.config import DraftConfig
 from llmc.draft.data import DistillSet
 from llmc.draft.losses import eagle3_loss, unrolled
 from llmc.draft.train import TrainConfig, train
-from llmc.draft.vocabulary import EVAL_BATCHES, draft_vocabulary, held_out_windows, window_length
+from llmc.draft.vocabulary import draft_vocabulary
+from llmc.draft.windows import EVAL_BATCHES, WindowSampler, held_out_windows, top1_per_step, window_length
 from llmc.runtime.models.loader import WeightLoader
 from llmc.runtime.speculative.eagle3 import Eagle3Draft, eagle3_config
 
@@ -27,50 +28,35 @@ def train_eagle3(data: DistillSet, config: DraftConfig, aux_layers: list[int], f
     training, held_out = held_out_windows(seqs, window_len + unroll + 1)
     vocab, to_vocab = draft_vocabulary([ids[start:] for ids, _, _, start in training], len(data.lm_head))
     lm_head = data.lm_head[vocab].to(device)
+    torch.manual_seed(config.seed)  # the draft's initial weights
     draft = Eagle3Draft(eagle3_config(AutoConfig.from_pretrained(artifact), aux_layers, len(vocab)))
     draft.set_vocab(vocab)
     with torch.no_grad():
         draft.lm_head.weight.copy_(data.lm_head[vocab])
         draft.norm.weight.copy_(weights.tensor("model.norm.weight"))
-    generator = torch.Generator().manual_seed(config.seed)
-    num_windows = max(1, config.batch_size // window_len)
+    sampler = WindowSampler(window_len, unroll, max(1, config.batch_size // window_len), torch.Generator().manual_seed(config.seed))
 
     def window(ids: torch.Tensor, hidden: torch.Tensor, aux: torch.Tensor, answer_start: int) -> tuple[torch.Tensor, ...]:
         """Rows start..end - 1, and the unroll - 1 tokens and target states past them that the deeper steps need."""
-        first = max(0, min(answer_start - 2 - window_len // 4, len(ids) - window_len - unroll - 1))
-        start = int(torch.randint(first, len(ids) - window_len - unroll, (), generator=generator))
+        start, labels = sampler.span(ids, answer_start, to_vocab)
         end = start + window_len
-        guessed = torch.arange(start + 2, end + unroll + 1)  # the token each (row, step) guesses
-        labels = torch.where(guessed >= answer_start, to_vocab[ids[start + 2 : end + unroll + 1]], -100)
         return (aux[start:end].float(), embeddings[ids[start + 1 : end + unroll]], torch.arange(start, end),
                 hidden[start + 1 : end + unroll], labels)
 
-    def batch(pool: list) -> list[torch.Tensor]:
-        picks = torch.randint(len(pool), (num_windows,), generator=generator).tolist()
-        return [torch.stack(parts).to(device) for parts in zip(*(window(*pool[index]) for index in picks))]
-
     def loss_fn(step: int) -> torch.Tensor:
-        aux, embedded, positions, target_hidden, labels = batch(training)
+        aux, embedded, positions, target_hidden, labels = sampler.batch(training, window, device)
         return eagle3_loss(draft, aux, embedded, positions, target_hidden, labels >= 0, lm_head, unroll)
 
-    def top1_per_step(pool: list, num_batches: int) -> list[float]:
-        """Per drafting step, the share of answer tokens the draft ranks first (out-of-vocabulary ones count as missed)."""
-        hits, counted = torch.zeros(unroll), torch.zeros(unroll)
-        with torch.no_grad():
-            for _ in range(num_batches):
-                aux, embedded, positions, _, labels = batch(pool)
-                for step, predicted in enumerate(unrolled(draft, draft.combine(aux), embedded, positions, unroll)):
-                    step_labels = labels[:, step : step + window_len]
-                    answer = step_labels != -100
-                    hits[step] += (draft.logits(predicted).argmax(-1) == step_labels)[answer].sum().cpu()
-                    counted[step] += answer.sum().cpu()
-        return [round(value, 4) for value in (hits / counted.clamp(min=1)).tolist()]
+    def guesses(pool: list) -> tuple[list[torch.Tensor], torch.Tensor]:
+        aux, embedded, positions, _, labels = sampler.batch(pool, window, device)
+        steps = unrolled(draft, draft.combine(aux), embedded, positions, unroll)
+        return [draft.logits(predicted).argmax(-1) for predicted in steps], labels
 
     losses = train(draft, loss_fn, TrainConfig(steps=config.steps, lr=config.lr, seed=config.seed), folder, "eagle-3 draft", device)
     summary = {
-        "train": {"steps": config.steps, "batch_size": num_windows * window_len, "lr": config.lr, "final_loss": losses[-1],
-                  "unroll": unroll, "train_top1_per_step": top1_per_step(training, 1),
-                  "heldout_top1_per_step": top1_per_step(held_out, EVAL_BATCHES) if held_out else None},
+        "train": {"steps": config.steps, "batch_size": sampler.num_windows * window_len, "lr": config.lr, "final_loss": losses[-1],
+                  "unroll": unroll, "train_top1_per_step": top1_per_step(lambda: guesses(training), 1, window_len),
+                  "heldout_top1_per_step": top1_per_step(lambda: guesses(held_out), EVAL_BATCHES, window_len) if held_out else None},
         "num_held_out": len(held_out),
     }
     return draft.cpu(), summary
