@@ -15,16 +15,15 @@ import argparse
 import asyncio
 import json
 import os
-import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
 
-import httpx
 from openai import AsyncOpenAI
 
 from llmc.bench.load import RequestResult, measure, summarize
+from llmc.server_process import served
 
 ROOT = Path(__file__).resolve().parents[1]
 MT_BENCH = ROOT.parent / "shared" / "data" / "mt_bench" / "question.jsonl"
@@ -93,35 +92,6 @@ def server_command(kind: str, model: Path, port: int, vllm: Path, llmc_args: lis
     return command, kv_cache
 
 
-def start_server(kind: str, model: Path, port: int, vllm: Path, llmc_args: list[str]) -> tuple[subprocess.Popen, float]:
-    """The server, and the seconds until it answered /v1/models."""
-    command, extra_env = server_command(kind, model, port, vllm, llmc_args)
-    started = time.perf_counter()
-    log = ROOT / "artifacts" / f"vs-vllm-{kind}.log"
-    with open(log, "w") as output:  # the server writes through its own copy of the descriptor
-        process = subprocess.Popen(command, env=os.environ | extra_env, stdout=output, stderr=subprocess.STDOUT,
-                                   start_new_session=True)
-    while time.perf_counter() - started < 600:
-        if process.poll() is not None:
-            errors = [line for line in log.read_text().splitlines() if "Error: " in line] or ["(no error line)"]
-            raise RuntimeError(f"{kind} exited with {process.returncode} before serving ({log}): {errors[0][-300:]}")
-        try:
-            if httpx.get(f"http://127.0.0.1:{port}/v1/models", timeout=2).status_code == 200:
-                return process, time.perf_counter() - started
-        except httpx.HTTPError:
-            pass
-        time.sleep(1)
-    raise RuntimeError(f"{kind} did not serve within 600 s")
-
-
-def stop_server(process: subprocess.Popen) -> None:
-    os.killpg(process.pid, signal.SIGTERM)
-    try:
-        process.wait(30)
-    except subprocess.TimeoutExpired:
-        os.killpg(process.pid, signal.SIGKILL)
-
-
 async def chat_stream(client: AsyncOpenAI, prompt: str, max_tokens: int):
     stream = await client.chat.completions.create(
         model=MODEL_NAME, messages=[{"role": "user", "content": prompt}], max_tokens=max_tokens, temperature=0,
@@ -151,8 +121,11 @@ async def drive(port: int, prompts: list[str], max_tokens: int, concurrency: int
 
 def measure_server(kind: str, model: Path, port: int, vllm: Path, llmc_args: list[str], prompts: list[str], max_tokens: int,
                    concurrencies: list[int]) -> dict:
-    process, startup_s = start_server(kind, model, port, vllm, llmc_args)
-    try:
+    command, extra_env = server_command(kind, model, port, vllm, llmc_args)
+    log = ROOT / "artifacts" / f"vs-vllm-{kind}.log"
+    started = time.perf_counter()
+    with served(kind, command, os.environ | extra_env, log, f"http://127.0.0.1:{port}/v1/models", 600):
+        startup_s = time.perf_counter() - started
         runs = {}
         for concurrency in concurrencies:
             count = PROMPTS_PER_CONCURRENCY.get(concurrency, 2 * concurrency)
@@ -160,8 +133,6 @@ def measure_server(kind: str, model: Path, port: int, vllm: Path, llmc_args: lis
             runs[concurrency] = asyncio.run(drive(port, chosen, max_tokens, concurrency))
             print(f"  {kind:15} c={concurrency:<3} {runs[concurrency]['output_throughput']:7.1f} tok/s", flush=True)
         return {"startup_s": startup_s, "runs": runs}
-    finally:
-        stop_server(process)
 
 
 def table(format_name: str, results: dict, concurrencies: list[int]) -> str:

@@ -1,28 +1,41 @@
-"""Write calib_data/sampled_prompts.jsonl: user requests sampled from the default model itself, for training draft heads.
+"""Write user requests sampled from the default model itself, for training draft heads (the Magpie method).
 
-    python calib_data/sampled_prompts.py            # about 14 minutes on 2 CPU cores
+    python calib_data/sampled_prompts.py             # sampled_prompts.jsonl: the model's own openings
+    python calib_data/sampled_prompts.py --steered   # steered_prompts.jsonl: each request begun with an OPENINGS word
 
 The chat template is rendered up to where a user's message begins and the model writes the message (sampling,
-temperature 0.9, top-p 0.95, a seed per request), as an instruction-tuned model has learned what users ask (the
-Magpie method). Requests that end within MAX_TOKENS, read as English and are not repeats are kept. They cover what
-the model's users ask far more widely than templates can. Only prompts: the answers come from the model being
-served, at training time. None of it comes from MT-bench, the evaluation set.
+temperature 0.9, top-p 0.95, a seed per request), as an instruction-tuned model has learned what users ask. Left
+alone, SmolLM2 opens most requests with "Can you ..."; the steered set begins each one with an instruction's
+opening word or two (write, imagine, given, solve, ...), so the model writes the tasks, constraints and passages
+that such requests carry. Requests that end within MAX_TOKENS, read as English and are not repeats are kept.
+Only prompts: the answers come from the model being served, at training time. None of it comes from MT-bench,
+the evaluation set.
 """
 import json
+import sys
 from pathlib import Path
 
 import torch
 from tqdm import tqdm
 
 from llmc.models.spec import resolve_model
-from llmc.runtime.config import EngineConfig
-from llmc.runtime.engine import LLMEngine
+from llmc.runtime.engine.config import EngineConfig
+from llmc.runtime.llm_engine import LLMEngine
 from llmc.runtime.sampling_params import SamplingParams
 
 NUM_SAMPLES = 2048
+STEERED_SAMPLES = 4096
+STEERED_SEED = 1_000_000  # the steered set's seeds start here: none repeats a plain sample's
 MAX_TOKENS = 96
 MIN_WORDS = 6
 PLACEHOLDER = "\x00"
+OPENINGS = [
+    "Write", "Write a short", "Compose", "Draft", "Describe", "Explain", "Imagine you are", "Pretend you are",
+    "Act as", "You are", "Summarize", "Rewrite", "Compare", "Solve", "Calculate", "Given", "Suppose", "If",
+    "Implement", "Write a Python", "Write a function", "Create", "Design", "Plan", "List", "Give me", "Suggest",
+    "Evaluate", "Analyze", "Identify", "Extract", "Read the following", "Translate", "Classify", "What", "How",
+    "Why", "Which", "In", "Consider", "Help me", "Please", "I need", "Tell me", "Discuss", "Outline",
+]
 
 
 def user_turn_prefix(tokenizer) -> str:
@@ -38,22 +51,30 @@ def reads_as_a_request(text: str) -> bool:
     return len(words) >= MIN_WORDS and ascii_share > 0.98 and longest_word <= 24 and "http" not in text
 
 
-def main() -> None:
-    engine = LLMEngine(resolve_model("smollm2-135m"), EngineConfig(dtype=torch.bfloat16))
+def sample_requests(engine: LLMEngine, openings: list[str], first_seed: int) -> list[str]:
+    """One request per opening ("" for the model's own), each with its own seed, finished ones only."""
     prefix = user_turn_prefix(engine.tokenizer)
-    seqs = [
-        engine.add_request(prefix, SamplingParams(temperature=0.9, top_p=0.95, max_tokens=MAX_TOKENS, seed=seed))
-        for seed in range(NUM_SAMPLES)
-    ]
-    with tqdm(total=NUM_SAMPLES, desc="the model writes user requests", unit="request") as progress:
+    params = [SamplingParams(temperature=0.9, top_p=0.95, max_tokens=MAX_TOKENS, seed=first_seed + index)
+              for index in range(len(openings))]
+    seqs = [engine.add_request(prefix + opening, param) for opening, param in zip(openings, params)]
+    with tqdm(total=len(seqs), desc="the model writes user requests", unit="request") as progress:
         while engine.has_unfinished():
             progress.update(sum(output.finish_reason is not None for output in engine.step()))
-    texts = [seq.text.strip() for seq in seqs if seq.finish_reason == "stop"]
-    kept = [text for text in dict.fromkeys(texts) if reads_as_a_request(text)]
-    output = Path(__file__).with_name("sampled_prompts.jsonl")
+    return [opening + seq.text for opening, seq in zip(openings, seqs) if seq.finish_reason == "stop"]
+
+
+def main(steered: bool) -> None:
+    engine = LLMEngine(resolve_model("smollm2-135m"), EngineConfig(dtype=torch.bfloat16, max_num_seqs=128))
+    if steered:
+        openings = [OPENINGS[index % len(OPENINGS)] for index in range(STEERED_SAMPLES)]
+        texts = sample_requests(engine, openings, STEERED_SEED)
+    else:
+        texts = sample_requests(engine, [""] * NUM_SAMPLES, 0)
+    kept = [text for text in dict.fromkeys(text.strip() for text in texts) if reads_as_a_request(text)]
+    output = Path(__file__).with_name("steered_prompts.jsonl" if steered else "sampled_prompts.jsonl")
     output.write_text("".join(json.dumps({"prompt": text}) + "\n" for text in kept))
-    print(f"{len(kept)} of {NUM_SAMPLES} requests kept in {output}")
+    print(f"{len(kept)} of {len(texts)} finished requests kept in {output}")
 
 
 if __name__ == "__main__":
-    main()
+    main(steered="--steered" in sys.argv[1:])

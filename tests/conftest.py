@@ -166,17 +166,13 @@ def trained(tmp_path_factory, distilled) -> tuple[Path, list[list[int]]]:
     return folder, [ids[:start] for ids, start in zip(distilled.token_ids, distilled.answer_starts)]
 
 
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
-
-
 @contextmanager
 def llmc_serve(artifact: Path, *options: str, timeout: float = 180) -> Iterator[tuple[subprocess.Popen, str]]:
     """`llmc serve ARTIFACT OPTIONS` as a real subprocess on a free port, once /health answers: (process, base url).
     Killed on the way out if still running."""
     import httpx
+
+    from llmc.server_process import free_port
 
     port = free_port()
     env = os.environ | {"PYTHONPATH": str(Path(__file__).resolve().parents[1]), "OMP_NUM_THREADS": "1"}

@@ -14,7 +14,6 @@ import json
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -26,6 +25,7 @@ import torch
 from conftest import smollm2_available
 
 from llmc.runtime.engine.config import native_bfloat16
+from llmc.server_process import free_port
 
 pytestmark = [
     pytest.mark.slow,
@@ -235,12 +235,6 @@ def llmc_gap(artifact: Path, token_ids: list[int], dtype: str) -> float:
     engine = LLMEngine(artifact, EngineConfig(dtype=getattr(torch, dtype), max_model_len=MAX_MODEL_LEN, kv_cache_gib=0.1))
     last = engine.generate([token_ids], SamplingParams(max_tokens=0, prompt_logprobs=1))[0]["prompt_logprobs"][-1]
     return round(max(last.top_logprobs.values()) - last.logprob, 3)
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 def wait_until_healthy(port: int, server: subprocess.Popen, log: Path, timeout: float) -> None:

@@ -5,8 +5,8 @@ from pydantic import Field, field_validator, model_validator
 
 from llmc.schema import StrictModel
 
-# training steps: Medusa heads learn fast; EAGLE's layers see 512 tokens a step (SmolLM2 on 2 cores: EAGLE ~25 min, EAGLE-3,
-# whose steps cost more, ~41 min; steps=2000 is its smaller setting, README: Draft heads)
+# training steps: Medusa heads learn fast; EAGLE's layers see 512 tokens a step, EAGLE-3's cost more (steps=2000 is its
+# smaller setting; what each costs: README, Draft heads)
 STEPS = {"medusa": 300, "eagle": 6000, "eagle3": 6000}
 
 
@@ -16,8 +16,8 @@ class DraftConfig(StrictModel):
     method: Literal["medusa", "eagle", "eagle3"] = "medusa"
     num_heads: int = Field(4, gt=0, le=8)  # Medusa heads
     # JSONL prompt files, each self-distilled and cached on its own: the project's templated requests and the
-    # requests the default model itself writes (calib_data/README.md)
-    prompts: list[str] = ["calib_data/draft_prompts.jsonl", "calib_data/sampled_prompts.jsonl"]
+    # requests the default model itself writes, left alone and begun with an instruction's opening (calib_data/README.md)
+    prompts: list[str] = ["calib_data/draft_prompts.jsonl", "calib_data/sampled_prompts.jsonl", "calib_data/steered_prompts.jsonl"]
     num_prompts: int | None = Field(None, gt=0)  # at most this many prompts of each file; None: all of them
     max_tokens: int = Field(128, gt=0)  # answer length generated per prompt
     steps: int | None = Field(None, gt=0)  # default: STEPS of the method

@@ -4,9 +4,6 @@ measurement, greedy, one request at a time: vLLM's mean accepted length from its
 tokens/s with and without the draft, and whether its outputs with the draft equal its own without."""
 import json
 import os
-import signal
-import socket
-import subprocess
 import tempfile
 import time
 from collections.abc import Iterator
@@ -20,6 +17,7 @@ from llmc.draft.export import NOT_EXPORTABLE, VLLM_DIR, VLLM_METHODS, export_for
 from llmc.errors import LlmcError
 from llmc.runtime.speculative.store import read_draft_config
 from llmc.serve_vllm import find_vllm, vllm_model
+from llmc.server_process import free_port, served
 
 SERVED_NAME = "llmc-eval"
 STARTUP_TIMEOUT_S = 900
@@ -39,12 +37,6 @@ def check_vllm_inputs(draft: Path, vllm: str) -> None:
         raise LlmcError(f"--vllm: {draft} holds a {method} draft, which vLLM cannot serve: {NOT_EXPORTABLE[method]}")
 
 
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
-
-
 @contextmanager
 def vllm_server(executable: str, model: str, extra: list[str], log: Path) -> Iterator[str]:
     """`vllm serve MODEL` on a free local port with both cores, once it answers; its base URL. Stopped on the way out."""
@@ -54,32 +46,9 @@ def vllm_server(executable: str, model: str, extra: list[str], log: Path) -> Ite
                *extra]
     cores = os.cpu_count() or 1
     env = os.environ | {"VLLM_CPU_OMP_THREADS_BIND": f"0-{cores - 1}", "VLLM_CPU_NUM_OF_RESERVED_CPU": "0", "VLLM_CPU_KVCACHE_SPACE": "2"}
-    with open(log, "w") as output:
-        process = subprocess.Popen(command, env=env, stdout=output, stderr=subprocess.STDOUT, start_new_session=True)
     url = f"http://127.0.0.1:{port}"
-    try:
-        started = time.monotonic()
-        while True:
-            if process.poll() is not None:
-                errors = [line for line in log.read_text().splitlines() if "Error" in line] or ["(no error line)"]
-                raise LlmcError(f"vllm serve exited with {process.returncode} before serving (log {log}): {errors[-1][-400:]}")
-            if time.monotonic() - started > STARTUP_TIMEOUT_S:
-                raise LlmcError(f"vllm serve did not answer within {STARTUP_TIMEOUT_S} s (log {log})")
-            try:
-                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            time.sleep(1)
+    with served("vllm serve", command, env, log, f"{url}/health", STARTUP_TIMEOUT_S):
         yield url
-    finally:
-        if process.poll() is None:
-            os.killpg(process.pid, signal.SIGTERM)
-            try:
-                process.wait(30)
-            except subprocess.TimeoutExpired:
-                os.killpg(process.pid, signal.SIGKILL)
-                process.wait()
 
 
 def generate(url: str, prompts: list[list[int]], max_tokens: int) -> tuple[list[list[int]], float]:
