@@ -16,7 +16,7 @@ from llmc.draft.export import VLLM_DIR, VLLM_METHODS, export_for_vllm
 from llmc.draft.losses import eagle_loss, medusa_labels, medusa_loss, unrolled
 from llmc.draft.train import TrainConfig, train
 from llmc.draft.vocabulary import draft_vocabulary, held_out_split
-from llmc.draft.windows import EVAL_BATCHES, WindowSampler, held_out_windows, top1_per_step, window_length
+from llmc.draft.windows import EVAL_BATCHES, WindowSampler, held_out_windows, window_length
 from llmc.errors import LlmcError
 from llmc.prompts import check_prompt_files
 from llmc.runtime.engine.config import EngineConfig, native_bfloat16
@@ -204,8 +204,8 @@ def train_eagle(data: DistillSet, config: DraftConfig, folder: Path, artifact: P
         "trained_on": {"prompts": config.prompts, "num_answers": len(data.token_ids), "num_held_out": len(held_out),
                        "answer_tokens": data.num_answer_tokens},
         "train": {"steps": config.steps, "batch_size": sampler.num_windows * window_len, "lr": config.lr, "final_loss": losses[-1],
-                  "unroll": unroll, "train_top1_per_step": top1_per_step(lambda: guesses(training), 1, window_len),
-                  "heldout_top1_per_step": top1_per_step(lambda: guesses(held_out), EVAL_BATCHES, window_len) if held_out else None},
+                  "unroll": unroll, "train_top1_per_step": sampler.top1_per_step(lambda: guesses(training), 1),
+                  "heldout_top1_per_step": sampler.top1_per_step(lambda: guesses(held_out), EVAL_BATCHES) if held_out else None},
     }
     save_heads(folder, draft)
     save_draft(folder, summary)

@@ -35,6 +35,21 @@ class WindowSampler:
         picks = torch.randint(len(pool), (self.num_windows,), generator=self.generator).tolist()
         return [torch.stack(parts).to(device) for parts in zip(*(window(*pool[index]) for index in picks))]
 
+    def top1_per_step(self, guess_batch: Callable[[], tuple[list[torch.Tensor], torch.Tensor]], num_batches: int) -> list[float]:
+        """Per drafting step, the share of answer tokens the draft ranks first over num_batches batches; guess_batch
+        returns each step's guesses [batch, window_len] as draft-vocabulary indices and the batch's labels (a token
+        outside the draft vocabulary counts as missed)."""
+        hits, counted = torch.zeros(self.unroll), torch.zeros(self.unroll)
+        with torch.no_grad():
+            for _ in range(num_batches):
+                guesses, labels = guess_batch()
+                for step, guess in enumerate(guesses):
+                    step_labels = labels[:, step : step + self.window_len]
+                    answer = step_labels != NOT_LEARNED
+                    hits[step] += (guess == step_labels)[answer].sum().cpu()
+                    counted[step] += answer.sum().cpu()
+        return [round(value, 4) for value in (hits / counted.clamp(min=1)).tolist()]
+
 
 def window_length(token_ids: list[list[int]], unroll: int) -> int:
     """EAGLE_WINDOW tokens, or fewer where the answers are shorter: at least half of them hold a window and the
@@ -51,22 +66,3 @@ def held_out_windows(seqs: list[tuple], min_len: int) -> tuple[list, list]:
 
     training, held_out = held_out_split(seqs)
     return long_enough(training), long_enough(held_out)
-
-
-def top1_per_step(guess_batch: Callable[[], tuple[list[torch.Tensor], torch.Tensor]], num_batches: int,
-                  window_len: int) -> list[float]:
-    """Per drafting step, the share of answer tokens the draft ranks first over num_batches batches; guess_batch
-    returns each step's guesses [batch, window_len] as draft-vocabulary indices and the batch's labels (a token
-    outside the draft vocabulary counts as missed)."""
-    hits, counted = None, None
-    with torch.no_grad():
-        for _ in range(num_batches):
-            guesses, labels = guess_batch()
-            if hits is None:
-                hits, counted = torch.zeros(len(guesses)), torch.zeros(len(guesses))
-            for step, guess in enumerate(guesses):
-                step_labels = labels[:, step : step + window_len]
-                answer = step_labels != NOT_LEARNED
-                hits[step] += (guess == step_labels)[answer].sum().cpu()
-                counted[step] += answer.sum().cpu()
-    return [round(value, 4) for value in (hits / counted.clamp(min=1)).tolist()]
