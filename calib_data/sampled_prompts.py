@@ -2,12 +2,14 @@
 
     python calib_data/sampled_prompts.py             # sampled_prompts.jsonl: the model's own openings
     python calib_data/sampled_prompts.py --steered   # steered_prompts.jsonl: each request begun with an OPENINGS word
+    python calib_data/sampled_prompts.py --steered 2 # steered_prompts_2.jsonl: the next STEERED_SAMPLES seeds
 
 The chat template is rendered up to where a user's message begins and the model writes the message (sampling,
 temperature 0.9, top-p 0.95, a seed per request), as an instruction-tuned model has learned what users ask. Left
 alone, SmolLM2 opens most requests with "Can you ..."; the steered set begins each one with an instruction's
 opening word or two (write, imagine, given, solve, ...), so the model writes the tasks, constraints and passages
-that such requests carry. Requests that end within MAX_TOKENS, read as English and are not repeats are kept.
+that such requests carry; the steered set comes in parts of STEERED_SAMPLES seeds, a file each (each is distilled
+and cached on its own). Requests that end within MAX_TOKENS, read as English and repeat no earlier one are kept.
 Only prompts: the answers come from the model being served, at training time. None of it comes from MT-bench,
 the evaluation set.
 """
@@ -63,18 +65,34 @@ def sample_requests(engine: LLMEngine, openings: list[str], first_seed: int) -> 
     return [opening + seq.text for opening, seq in zip(openings, seqs) if seq.finish_reason == "stop"]
 
 
-def main(steered: bool) -> None:
+def output_file(steered_part: int | None) -> Path:
+    name = "sampled_prompts" if steered_part is None else "steered_prompts" + (f"_{steered_part}" if steered_part > 1 else "")
+    return Path(__file__).with_name(name + ".jsonl")
+
+
+def earlier_requests(steered_part: int | None) -> set[str]:
+    """The requests of the files written before this one (the plain set, the steered set's earlier parts)."""
+    files = [output_file(part) for part in ([None] + list(range(1, steered_part)) if steered_part else [])]
+    return {json.loads(line)["prompt"] for file in files if file.is_file() for line in file.read_text().splitlines()}
+
+
+def main(steered_part: int | None) -> None:
     engine = LLMEngine(resolve_model("smollm2-135m"), EngineConfig(dtype=torch.bfloat16, max_num_seqs=128))
-    if steered:
+    if steered_part:
         openings = [OPENINGS[index % len(OPENINGS)] for index in range(STEERED_SAMPLES)]
-        texts = sample_requests(engine, openings, STEERED_SEED)
+        texts = sample_requests(engine, openings, STEERED_SEED + (steered_part - 1) * STEERED_SAMPLES)
     else:
         texts = sample_requests(engine, [""] * NUM_SAMPLES, 0)
-    kept = [text for text in dict.fromkeys(text.strip() for text in texts) if reads_as_a_request(text)]
-    output = Path(__file__).with_name("steered_prompts.jsonl" if steered else "sampled_prompts.jsonl")
+    seen = earlier_requests(steered_part)
+    kept = [text for text in dict.fromkeys(text.strip() for text in texts) if reads_as_a_request(text) and text not in seen]
+    output = output_file(steered_part)
     output.write_text("".join(json.dumps({"prompt": text}) + "\n" for text in kept))
     print(f"{len(kept)} of {len(texts)} finished requests kept in {output}")
 
 
 if __name__ == "__main__":
-    main(steered="--steered" in sys.argv[1:])
+    arguments = sys.argv[1:]
+    if arguments[:1] == ["--steered"]:
+        main(int(arguments[1]) if len(arguments) > 1 else 1)
+    else:
+        main(None)

@@ -16,8 +16,10 @@ class DraftConfig(StrictModel):
     method: Literal["medusa", "eagle", "eagle3"] = "medusa"
     num_heads: int = Field(4, gt=0, le=8)  # Medusa heads
     # JSONL prompt files, each self-distilled and cached on its own: the project's templated requests and the
-    # requests the default model itself writes, left alone and begun with an instruction's opening (calib_data/README.md)
-    prompts: list[str] = ["calib_data/draft_prompts.jsonl", "calib_data/sampled_prompts.jsonl", "calib_data/steered_prompts.jsonl"]
+    # requests the default model itself writes, left alone and begun with an instruction's opening (two parts;
+    # calib_data/README.md)
+    prompts: list[str] = ["calib_data/draft_prompts.jsonl", "calib_data/sampled_prompts.jsonl",
+                          "calib_data/steered_prompts.jsonl", "calib_data/steered_prompts_2.jsonl"]
     num_prompts: int | None = Field(None, gt=0)  # at most this many prompts of each file; None: all of them
     max_tokens: int = Field(128, gt=0)  # answer length generated per prompt
     steps: int | None = Field(None, gt=0)  # default: STEPS of the method
