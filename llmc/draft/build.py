@@ -204,7 +204,7 @@ def train_eagle(data: DistillSet, config: DraftConfig, folder: Path, artifact: P
         "trained_on": {"prompts": config.prompts, "num_answers": len(data.token_ids), "num_held_out": len(held_out),
                        "answer_tokens": data.num_answer_tokens},
         "train": {"steps": config.steps, "batch_size": sampler.num_windows * window_len, "lr": config.lr, "final_loss": losses[-1],
-                  "unroll": unroll, "train_top1_per_step": sampler.top1_per_step(lambda: guesses(training), 1),
+                  "unroll": unroll, "train_top1_per_step": sampler.top1_per_step(lambda: guesses(training), EVAL_BATCHES),
                   "heldout_top1_per_step": sampler.top1_per_step(lambda: guesses(held_out), EVAL_BATCHES) if held_out else None},
     }
     save_heads(folder, draft)

@@ -55,7 +55,7 @@ def train_eagle3(data: DistillSet, config: DraftConfig, aux_layers: list[int], f
     losses = train(draft, loss_fn, TrainConfig(steps=config.steps, lr=config.lr, seed=config.seed), folder, "eagle-3 draft", device)
     summary = {
         "train": {"steps": config.steps, "batch_size": sampler.num_windows * window_len, "lr": config.lr, "final_loss": losses[-1],
-                  "unroll": unroll, "train_top1_per_step": sampler.top1_per_step(lambda: guesses(training), 1),
+                  "unroll": unroll, "train_top1_per_step": sampler.top1_per_step(lambda: guesses(training), EVAL_BATCHES),
                   "heldout_top1_per_step": sampler.top1_per_step(lambda: guesses(held_out), EVAL_BATCHES) if held_out else None},
         "num_held_out": len(held_out),
     }

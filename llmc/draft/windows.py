@@ -9,7 +9,7 @@ import torch
 from llmc.draft.vocabulary import held_out_split
 
 EAGLE_WINDOW = 128  # tokens per EAGLE training window (fewer when the answers are shorter)
-EVAL_BATCHES = 8  # held-out batches an EAGLE draft's top-1 is measured on
+EVAL_BATCHES = 8  # batches an EAGLE draft's top-1 is measured on, in training and held out (one batch is too few to compare)
 NOT_LEARNED = -100  # label of a prompt token: no row learns to guess it
 
 
