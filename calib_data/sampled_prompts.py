@@ -13,14 +13,15 @@ and cached on its own). Requests that end within MAX_TOKENS, read as English and
 Only prompts: the answers come from the model being served, at training time. None of it comes from MT-bench,
 the evaluation set.
 """
+import argparse
 import json
-import sys
 from pathlib import Path
 
 import torch
 from tqdm import tqdm
 
 from llmc.models.spec import resolve_model
+from llmc.prompts import read_prompt_texts
 from llmc.runtime.engine.config import EngineConfig
 from llmc.runtime.llm_engine import LLMEngine
 from llmc.runtime.sampling_params import SamplingParams
@@ -73,7 +74,7 @@ def output_file(steered_part: int | None) -> Path:
 def earlier_requests(steered_part: int | None) -> set[str]:
     """The requests of the files written before this one (the plain set, the steered set's earlier parts)."""
     files = [output_file(part) for part in ([None] + list(range(1, steered_part)) if steered_part else [])]
-    return {json.loads(line)["prompt"] for file in files if file.is_file() for line in file.read_text().splitlines()}
+    return {text for file in files if file.is_file() for text in read_prompt_texts(file)}
 
 
 def main(steered_part: int | None) -> None:
@@ -90,9 +91,14 @@ def main(steered_part: int | None) -> None:
     print(f"{len(kept)} of {len(texts)} finished requests kept in {output}")
 
 
+def steered_part(value: str) -> int:
+    if not value.isdigit() or int(value) < 1:
+        raise argparse.ArgumentTypeError(f"a part is a number from 1, not {value!r}")
+    return int(value)
+
+
 if __name__ == "__main__":
-    arguments = sys.argv[1:]
-    if arguments[:1] == ["--steered"]:
-        main(int(arguments[1]) if len(arguments) > 1 else 1)
-    else:
-        main(None)
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steered", type=steered_part, nargs="?", const=1, metavar="PART",
+                        help="write part PART (default 1) of the steered set instead of the plain one")
+    main(parser.parse_args().steered)
