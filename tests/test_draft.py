@@ -11,7 +11,8 @@ from llmc.cli import cli
 from llmc.draft.build import medusa_rows, medusa_top1, train_draft, train_eagle
 from llmc.draft.config import DraftConfig
 from llmc.draft.data import DistillSet, cached_self_distill, load_distill_set, save_distill_set
-from llmc.draft.losses import OUT_OF_VOCAB, TOKEN_LOSS_WEIGHT, eagle_loss, medusa_labels, medusa_loss, unrolled
+from llmc.draft.labels import OUT_OF_VOCAB
+from llmc.draft.losses import TOKEN_LOSS_WEIGHT, eagle_loss, medusa_labels, medusa_loss, unrolled
 from llmc.draft.train import CHECKPOINT, TrainConfig, train
 from llmc.draft.vocabulary import held_out_split, most_frequent_tokens
 from llmc.errors import LlmcError

@@ -13,6 +13,7 @@ from llmc.draft.config import DraftConfig
 from llmc.draft.data import DistillSet, cached_self_distill
 from llmc.draft.eagle3 import train_eagle3
 from llmc.draft.export import VLLM_DIR, VLLM_METHODS, export_for_vllm
+from llmc.draft.labels import NOT_LEARNED
 from llmc.draft.losses import eagle_loss, medusa_labels, medusa_loss, unrolled
 from llmc.draft.train import TrainConfig, train
 from llmc.draft.vocabulary import draft_vocabulary, held_out_split
@@ -109,7 +110,7 @@ def medusa_rows(
     seqs: list[tuple[list[int], torch.Tensor, int]], to_vocab: torch.Tensor, num_heads: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The answer positions' features [N, hidden] and what each head must guess there [N, num_heads], as draft
-    vocabulary indices (OUT_OF_VOCAB: a token no head can guess, -100: past the answer's end)."""
+    vocabulary indices (OUT_OF_VOCAB: a token no head can guess, NOT_LEARNED: past the answer's end)."""
     hidden = torch.cat([h[start - 1 :] for _, h, start in seqs])
     labels = torch.cat([medusa_labels(ids, start - 1, num_heads) for ids, _, start in seqs])
     return hidden, torch.where(labels >= 0, to_vocab[labels.clamp(min=0)], labels)
@@ -122,8 +123,8 @@ def medusa_top1(heads: MedusaHeads, hidden: torch.Tensor, labels: torch.Tensor, 
     with torch.no_grad():
         for first in range(0, len(hidden), chunk):
             guesses, truth = heads(hidden[first : first + chunk].to(device)).argmax(-1).T.cpu(), labels[first : first + chunk]
-            hits += ((guesses == truth) & (truth != -100)).sum(0)
-            counted += (truth != -100).sum(0)
+            hits += ((guesses == truth) & (truth != NOT_LEARNED)).sum(0)
+            counted += (truth != NOT_LEARNED).sum(0)
     return [round(value, 4) for value in (hits / counted.clamp(min=1)).tolist()]
 
 

@@ -4,27 +4,27 @@ drafts (EAGLE-3's training-time test)."""
 import torch
 import torch.nn.functional as F
 
+from llmc.draft.labels import NOT_LEARNED
 from llmc.runtime.speculative.eagle import EagleDraft
 from llmc.runtime.speculative.eagle3 import Eagle3Draft
 from llmc.runtime.speculative.medusa import MedusaHeads
 
 LOSS_DECAY = 0.8  # weight of Medusa head k is LOSS_DECAY ** k: far guesses are rarely accepted, so they matter less
 TOKEN_LOSS_WEIGHT = 0.1  # the token loss through the LM head, next to the feature regression
-OUT_OF_VOCAB = -1  # label of a token the draft cannot guess: its feature is learned, not the token
 INPUT_NOISE = 0.2  # uniform noise on input features in training, in units of the features' RMS: drafting feeds its own guesses back
 
 
 def medusa_labels(token_ids: list[int], start: int, num_heads: int) -> torch.Tensor:
     """Row t (from start) holds the tokens at t + 2, ..., t + num_heads + 1 that the heads must guess."""
-    rows = [[token_ids[t + k + 2] if t + k + 2 < len(token_ids) else -100 for k in range(num_heads)]
+    rows = [[token_ids[t + k + 2] if t + k + 2 < len(token_ids) else NOT_LEARNED for k in range(num_heads)]
             for t in range(start, len(token_ids) - 1)]
     return torch.tensor(rows, dtype=torch.long)
 
 
 def medusa_loss(heads: MedusaHeads, hidden: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     """hidden [N, hidden], labels [N, num_heads] as indices into the draft vocabulary (negative: no loss)."""
-    logits, labels = heads(hidden), labels.masked_fill(labels < 0, -100)
-    losses = [F.cross_entropy(logits[k], labels[:, k], ignore_index=-100) for k in range(heads.num_heads)]
+    logits, labels = heads(hidden), labels.masked_fill(labels < 0, NOT_LEARNED)
+    losses = [F.cross_entropy(logits[k], labels[:, k], ignore_index=NOT_LEARNED) for k in range(heads.num_heads)]
     return sum(LOSS_DECAY**k * loss for k, loss in enumerate(losses))
 
 
@@ -52,7 +52,7 @@ def eagle_loss(draft: EagleDraft, features: torch.Tensor, embeddings: torch.Tens
                lm_head: torch.Tensor, noise_scale: float, unroll: int) -> torch.Tensor:
     """`unrolled` on noisy features, each step's feature regression plus token loss averaged. features [batch,
     tokens + unroll, hidden] the target's, labels [batch, tokens + unroll - 1] the token after each next
-    feature as an index into lm_head (-100: no loss, OUT_OF_VOCAB: the feature loss only), lm_head [vocab,
+    feature as an index into lm_head (NOT_LEARNED: no loss, OUT_OF_VOCAB: the feature loss only), lm_head [vocab,
     hidden] frozen, the draft vocabulary's rows."""
     tokens = positions.shape[1]
     inputs = features[:, :tokens]
@@ -60,7 +60,7 @@ def eagle_loss(draft: EagleDraft, features: torch.Tensor, embeddings: torch.Tens
     total = features.new_zeros(())
     for step, predicted in enumerate(unrolled(draft, noisy, embeddings, positions, unroll)):
         step_labels = labels[:, step : step + tokens]
-        answer, in_vocab = step_labels != -100, step_labels >= 0
+        answer, in_vocab = step_labels != NOT_LEARNED, step_labels >= 0
         feature_loss = F.smooth_l1_loss(predicted[answer], features[:, step + 1 : step + 1 + tokens][answer])
         token_loss = F.cross_entropy(predicted[in_vocab] @ lm_head.T, step_labels[in_vocab])
         total = total + feature_loss + TOKEN_LOSS_WEIGHT * token_loss

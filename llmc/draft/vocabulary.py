@@ -1,7 +1,7 @@
 """What a draft trains on and guesses among: the answers held out of training and the draft vocabulary."""
 import torch
 
-from llmc.draft.losses import OUT_OF_VOCAB
+from llmc.draft.labels import OUT_OF_VOCAB
 
 DRAFT_VOCAB_SIZE = 8192  # the draft guesses among the answers' most frequent tokens: its LM head costs a sixth of the target's
 HELD_OUT_EVERY = 25  # every 25th answer stays out of training: the draft's top-1 on it is what serving can expect

@@ -6,11 +6,11 @@ from dataclasses import dataclass
 
 import torch
 
+from llmc.draft.labels import NOT_LEARNED
 from llmc.draft.vocabulary import held_out_split
 
 EAGLE_WINDOW = 128  # tokens per EAGLE training window (fewer when the answers are shorter)
 EVAL_BATCHES = 8  # batches an EAGLE draft's top-1 is measured on, in training and held out (one batch is too few to compare)
-NOT_LEARNED = -100  # label of a prompt token: no row learns to guess it
 
 
 @dataclass(slots=True)
