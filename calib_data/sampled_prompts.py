@@ -91,7 +91,7 @@ def main(steered_part: int | None) -> None:
     print(f"{len(kept)} of {len(texts)} finished requests kept in {output}")
 
 
-def steered_part(value: str) -> int:
+def part_number(value: str) -> int:
     if not value.isdigit() or int(value) < 1:
         raise argparse.ArgumentTypeError(f"a part is a number from 1, not {value!r}")
     return int(value)
@@ -99,6 +99,6 @@ def steered_part(value: str) -> int:
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steered", type=steered_part, nargs="?", const=1, metavar="PART",
+    parser.add_argument("--steered", type=part_number, nargs="?", const=1, metavar="PART",
                         help="write part PART (default 1) of the steered set instead of the plain one")
     main(parser.parse_args().steered)
