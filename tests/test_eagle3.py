@@ -106,6 +106,25 @@ def test_eagle3_learns_from_the_fused_layers(eagle3_folder):
     assert torch.equal(draft.vocab[draft.t2d[draft.vocab]], draft.vocab) and int(draft.t2d.sum()) == len(draft.vocab)
 
 
+def test_each_aux_layer_is_normed_on_its_own_before_fc(tiny_llama):
+    """vLLM's fc_norm: one layer's features scaled (the residual stream grows with depth) fuse to the same feature."""
+    torch.manual_seed(0)
+    draft = Eagle3Draft(eagle3_config(AutoConfig.from_pretrained(tiny_llama), list(AUX_LAYERS), 16))
+    aux = torch.randn(5, len(AUX_LAYERS) * draft.config.target_hidden_size)
+    scaled = aux.clone()
+    scaled[:, -draft.config.target_hidden_size :] *= 100
+    assert torch.allclose(draft.combine(aux), draft.combine(scaled), atol=1e-5)
+    assert not torch.allclose(draft.combine(aux), draft.combine(aux.roll(1, -1)), atol=1e-3)
+
+
+def test_drafts_written_without_fc_norm_still_load_and_fuse_features_as_they_are(tiny_llama):
+    config = eagle3_config(AutoConfig.from_pretrained(tiny_llama), list(AUX_LAYERS), 16).to_dict()
+    del config["fc_norm"]  # an earlier llmc's draft config
+    draft = Eagle3Draft(LlamaConfig(**config))
+    aux = torch.randn(5, len(AUX_LAYERS) * draft.config.target_hidden_size)
+    assert draft.fc_norm is None and torch.equal(draft.combine(aux), draft.fc(aux))
+
+
 def test_eagle3_training_is_reproducible_from_its_seed(tiny_llama, distilled_aux):
     """The seed fixes the draft's initial weights and its training windows: the same seed, the same draft."""
     def trained_weights(seed: int, global_seed: int) -> dict[str, torch.Tensor]:
@@ -133,6 +152,7 @@ def test_export_writes_the_layout_vllm_loads(tmp_path, eagle3_folder):
     assert {"midlayer.input_layernorm.weight", "midlayer.hidden_norm.weight", "midlayer.post_attention_layernorm.weight",
             "midlayer.mlp.gate_proj.weight", "midlayer.mlp.up_proj.weight", "midlayer.mlp.down_proj.weight",
             "midlayer.self_attn.o_proj.weight", "norm.weight", "lm_head.weight", "d2t", "t2d"} <= set(tensors)
+    assert config["fc_norm"] and all(tensors[f"fc_norm.{i}.weight"].shape == (hidden,) for i in range(len(AUX_LAYERS)))
     assert tensors["lm_head.weight"].dtype == torch.bfloat16 and tensors["d2t"].dtype == torch.int64
     _, draft = load_draft(eagle3_folder, torch.float32, "cpu")
     assert torch.equal(tensors["d2t"] + torch.arange(len(tensors["d2t"])), draft.vocab)  # vLLM: target id = i + d2t[i]

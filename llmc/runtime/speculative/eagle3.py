@@ -1,8 +1,10 @@
 """EAGLE-3 draft: `fc` fuses the target's residual stream entering three of its layers (low, middle, high) into one
-feature; one decoder layer attends over [normed embedding of the next token; normed feature] and its own normed LM
-head guesses among the draft vocabulary. Later drafting steps feed the layer's own output (before the final norm)
-back in as the feature. The parameter names, the config and the arithmetic are those of vLLM's
-`Eagle3LlamaForCausalLM`, so the same weights serve in both engines."""
+feature, each layer's first RMS-normed on its own (`fc_norm`: the residual stream's few massive channels grow
+tenfold from the low layer to the high one, and unnormed they swamp what fc learns from the rest); one decoder
+layer attends over [normed embedding of the next token; normed feature] and its own normed LM head guesses among
+the draft vocabulary. Later drafting steps feed the layer's own output (before the final norm) back in as the
+feature. The parameter names, the config and the arithmetic are those of vLLM's `Eagle3LlamaForCausalLM`, so the
+same weights serve in both engines."""
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -30,7 +32,7 @@ def eagle3_config(target, aux_layer_ids: list[int], draft_vocab_size: int) -> Ll
         num_hidden_layers=1, rms_norm_eps=target.rms_norm_eps, rope_parameters=rope,
         max_position_embeddings=target.max_position_embeddings, vocab_size=target.vocab_size, tie_word_embeddings=False,
         draft_vocab_size=draft_vocab_size, target_hidden_size=target.hidden_size,
-        eagle_aux_hidden_state_layer_ids=list(aux_layer_ids), dtype="bfloat16",
+        eagle_aux_hidden_state_layer_ids=list(aux_layer_ids), fc_norm=True, dtype="bfloat16",
     )
 
 
@@ -76,6 +78,10 @@ class Eagle3Draft(nn.Module):
         self.config = config
         aux_layers = config.eagle_aux_hidden_state_layer_ids
         self.fc = nn.Linear(len(aux_layers) * config.target_hidden_size, config.hidden_size, bias=False)
+        # drafts of earlier llmc have no fc_norm in their config: their fc reads the features as they are
+        self.fc_norm = nn.ModuleList(
+            [nn.RMSNorm(config.target_hidden_size, eps=config.rms_norm_eps) for _ in aux_layers]
+        ) if getattr(config, "fc_norm", False) else None
         self.midlayer = Eagle3Layer(config)
         self.norm = nn.RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.lm_head = nn.Linear(config.hidden_size, config.draft_vocab_size, bias=False)
@@ -106,6 +112,10 @@ class Eagle3Draft(nn.Module):
 
     def combine(self, aux: torch.Tensor) -> torch.Tensor:
         """[..., layers * target_hidden] -> the feature the first drafting step reads [..., hidden]."""
+        if self.fc_norm is not None:  # in float32, as vLLM norms: the massive channels reach the hundreds
+            chunks = aux.chunk(len(self.fc_norm), -1)
+            aux = torch.cat([F.rms_norm(chunk.float(), norm.normalized_shape, norm.weight.float(), norm.eps).to(aux.dtype)
+                             for norm, chunk in zip(self.fc_norm, chunks)], -1)
         return self.fc(aux)
 
     def logits(self, out: torch.Tensor) -> torch.Tensor:
