@@ -117,12 +117,29 @@ def test_each_aux_layer_is_normed_on_its_own_before_fc(tiny_llama):
     assert not torch.allclose(draft.combine(aux), draft.combine(aux.roll(1, -1)), atol=1e-3)
 
 
-def test_drafts_written_without_fc_norm_still_load_and_fuse_features_as_they_are(tiny_llama):
+def layer_outputs(draft: Eagle3Draft, features: torch.Tensor) -> torch.Tensor:
+    tokens = features.shape[1]
+    embeddings = torch.randn(features.shape, generator=torch.Generator().manual_seed(1))
+    mask = torch.ones(tokens, tokens, dtype=torch.bool).tril()
+    return draft(features, embeddings, torch.arange(tokens)[None], mask)[0]
+
+
+def test_the_layer_reads_a_fed_back_output_at_the_scale_of_a_fused_feature(tiny_llama):
+    """vLLM's norm_before_residual: the residual stream starts from the normed feature, whatever its scale."""
+    torch.manual_seed(0)
+    draft = Eagle3Draft(eagle3_config(AutoConfig.from_pretrained(tiny_llama), list(AUX_LAYERS), 16))
+    features = torch.randn(1, 6, draft.config.hidden_size)
+    assert torch.allclose(layer_outputs(draft, features), layer_outputs(draft, 30 * features), atol=1e-4)
+
+
+def test_drafts_written_without_the_norms_still_load_and_read_features_as_they_are(tiny_llama):
     config = eagle3_config(AutoConfig.from_pretrained(tiny_llama), list(AUX_LAYERS), 16).to_dict()
-    del config["fc_norm"]  # an earlier llmc's draft config
+    del config["fc_norm"], config["norm_before_residual"]  # an earlier llmc's draft config
     draft = Eagle3Draft(LlamaConfig(**config))
     aux = torch.randn(5, len(AUX_LAYERS) * draft.config.target_hidden_size)
     assert draft.fc_norm is None and torch.equal(draft.combine(aux), draft.fc(aux))
+    features = torch.randn(1, 6, draft.config.hidden_size)
+    assert not torch.allclose(layer_outputs(draft, features), layer_outputs(draft, 30 * features), atol=1e-1)
 
 
 def test_eagle3_training_is_reproducible_from_its_seed(tiny_llama, distilled_aux):
@@ -152,7 +169,8 @@ def test_export_writes_the_layout_vllm_loads(tmp_path, eagle3_folder):
     assert {"midlayer.input_layernorm.weight", "midlayer.hidden_norm.weight", "midlayer.post_attention_layernorm.weight",
             "midlayer.mlp.gate_proj.weight", "midlayer.mlp.up_proj.weight", "midlayer.mlp.down_proj.weight",
             "midlayer.self_attn.o_proj.weight", "norm.weight", "lm_head.weight", "d2t", "t2d"} <= set(tensors)
-    assert config["fc_norm"] and all(tensors[f"fc_norm.{i}.weight"].shape == (hidden,) for i in range(len(AUX_LAYERS)))
+    assert config["fc_norm"] and config["norm_before_residual"]
+    assert all(tensors[f"fc_norm.{i}.weight"].shape == (hidden,) for i in range(len(AUX_LAYERS)))
     assert tensors["lm_head.weight"].dtype == torch.bfloat16 and tensors["d2t"].dtype == torch.int64
     _, draft = load_draft(eagle3_folder, torch.float32, "cpu")
     assert torch.equal(tensors["d2t"] + torch.arange(len(tensors["d2t"])), draft.vocab)  # vLLM: target id = i + d2t[i]

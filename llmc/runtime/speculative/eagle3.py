@@ -3,8 +3,9 @@ feature, each layer's first RMS-normed on its own (`fc_norm`: the residual strea
 tenfold from the low layer to the high one, and unnormed they swamp what fc learns from the rest); one decoder
 layer attends over [normed embedding of the next token; normed feature] and its own normed LM head guesses among
 the draft vocabulary. Later drafting steps feed the layer's own output (before the final norm) back in as the
-feature. The parameter names, the config and the arithmetic are those of vLLM's `Eagle3LlamaForCausalLM`, so the
-same weights serve in both engines."""
+feature; the layer's residual stream starts from the normed feature (`norm_before_residual`), so a fed-back
+output enters at the scale of a fused one. The parameter names, the config and the arithmetic are those of
+vLLM's `Eagle3LlamaForCausalLM`, so the same weights serve in both engines."""
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -32,7 +33,8 @@ def eagle3_config(target, aux_layer_ids: list[int], draft_vocab_size: int) -> Ll
         num_hidden_layers=1, rms_norm_eps=target.rms_norm_eps, rope_parameters=rope,
         max_position_embeddings=target.max_position_embeddings, vocab_size=target.vocab_size, tie_word_embeddings=False,
         draft_vocab_size=draft_vocab_size, target_hidden_size=target.hidden_size,
-        eagle_aux_hidden_state_layer_ids=list(aux_layer_ids), fc_norm=True, dtype="bfloat16",
+        eagle_aux_hidden_state_layer_ids=list(aux_layer_ids), fc_norm=True, norm_before_residual=True,
+        dtype="bfloat16",
     )
 
 
@@ -78,10 +80,11 @@ class Eagle3Draft(nn.Module):
         self.config = config
         aux_layers = config.eagle_aux_hidden_state_layer_ids
         self.fc = nn.Linear(len(aux_layers) * config.target_hidden_size, config.hidden_size, bias=False)
-        # drafts of earlier llmc have no fc_norm in their config: their fc reads the features as they are
+        # drafts of earlier llmc have neither field: fc reads the features as they are, the residual starts raw
         self.fc_norm = nn.ModuleList(
             [nn.RMSNorm(config.target_hidden_size, eps=config.rms_norm_eps) for _ in aux_layers]
         ) if getattr(config, "fc_norm", False) else None
+        self.norm_before_residual = getattr(config, "norm_before_residual", False)
         self.midlayer = Eagle3Layer(config)
         self.norm = nn.RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.lm_head = nn.Linear(config.hidden_size, config.draft_vocab_size, bias=False)
@@ -131,7 +134,10 @@ class Eagle3Draft(nn.Module):
         layer's outputs (before the final norm: the next step's features) and these tokens' keys and values."""
         layer, attention = self.midlayer, self.midlayer.self_attn
         batch, tokens, _ = hidden.shape
-        x = torch.cat([normed(layer.input_layernorm, embeddings), normed(layer.hidden_norm, hidden)], -1)
+        feature = normed(layer.hidden_norm, hidden)
+        if self.norm_before_residual:
+            hidden = feature
+        x = torch.cat([normed(layer.input_layernorm, embeddings), feature], -1)
         angles = positions[..., None].float() * self.inv_freq.to(positions.device)
         cos = (torch.cat([angles.cos()] * 2, -1) * self.rope_scaling)[..., None, :]
         sin = (torch.cat([angles.sin()] * 2, -1) * self.rope_scaling)[..., None, :]
