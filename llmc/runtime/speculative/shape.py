@@ -11,7 +11,7 @@ class DraftShape:
     min_confidence: float
 
 
-DEFAULT_SHAPES = {"medusa": DraftShape(None, 7, 0.0), "eagle": DraftShape(4, 7, 0.3), "eagle3": DraftShape(4, 7, 0.3)}
+DEFAULT_SHAPES = {"medusa": DraftShape(None, 7, 0.0), "eagle": DraftShape(4, 7, 0.3), "eagle3": DraftShape(4, 7, 0.1)}
 
 # the chain drafts are measured at where engines or thresholds compare them (vLLM side by side, the quality gate):
 # 3 tokens drafted on every step, as vLLM's EAGLE-3 examples draft
