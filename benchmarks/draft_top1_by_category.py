@@ -1,7 +1,8 @@
 """Where an EAGLE-3 draft misses, by MT-bench category: the target answers every first turn (greedy, 128 tokens, the
 self-distillation engine, keeping the draft's aux features), then the draft is run teacher-forced over each answer
 as training unrolls it. Per category: the share of answer tokens each drafting step ranks first, the share of rows
-whose chain of 1 / 2 / 3 guesses is all right (their sum + 1 approximates the mean accepted length of a chain of 3),
+whose chain of 1 / 2 / 3 guesses is all right (their sum + 1 estimates the mean accepted length of a chain of 3: an
+average over answer positions, above what decoding measures, as decoding starts more of its steps in hard stretches),
 and the share of answer tokens outside the draft vocabulary.
 
     python benchmarks/draft_top1_by_category.py ARTIFACT [--prompts ../shared/data/mt_bench/question.jsonl]
