@@ -10,6 +10,7 @@ import click
 from click.core import ParameterSource
 from rich.console import Console
 
+from llmc.draft.config import DraftConfig
 from llmc.errors import LlmcError
 from llmc.evals.config import PerplexityEval
 from llmc.runtime.engine.config import EngineConfig
@@ -198,13 +199,12 @@ def speculative_gate(assignments: list[str]):
 @cli.command(name="train-draft")
 @click.argument("artifact", type=click.Path(path_type=Path))
 @click.option("--prompts", type=click.Path(path_type=Path), multiple=True,
-              help="JSONL training prompts, repeatable (default: the project's two calib_data sets).")
+              help=f"JSONL training prompts, repeatable (default: {', '.join(DraftConfig.model_fields['prompts'].default)}).")
 @click.option("--set", "overrides", multiple=True, metavar="FIELD=VALUE", help="Set a `draft:` field, e.g. --set steps=600.")
 @DEVICE_OPTION
 def train_draft_command(artifact: Path, prompts: tuple[Path, ...], overrides: tuple[str, ...], device: str) -> None:
     """Train draft heads on ARTIFACT's own answers and store them in ARTIFACT/draft."""
     from llmc.draft.build import train_draft
-    from llmc.draft.config import DraftConfig
     from llmc.overrides import apply_overrides
     from llmc.validation import validated
 

@@ -17,7 +17,7 @@ from llmc.draft.labels import NOT_LEARNED
 from llmc.draft.losses import eagle_loss, medusa_labels, medusa_loss, unrolled
 from llmc.draft.train import TrainConfig, train
 from llmc.draft.vocabulary import draft_vocabulary, held_out_split
-from llmc.draft.windows import EVAL_BATCHES, WindowSampler, held_out_windows, window_length
+from llmc.draft.windows import WindowSampler, held_out_windows, window_length
 from llmc.errors import LlmcError
 from llmc.prompts import check_prompt_files
 from llmc.runtime.engine.config import EngineConfig, native_bfloat16
@@ -84,6 +84,12 @@ def held_out_acceptance(artifact: Path, folder: Path, data: DistillSet, device: 
             "mean_accepted_length": round(engine.runner.speculator.stats.mean_accepted_length, 4)}
 
 
+def trained_on(config: DraftConfig, data: DistillSet, num_held_out: int) -> dict:
+    """What a draft's summary says it learned from."""
+    return {"prompts": config.prompts, "num_answers": len(data.token_ids), "num_held_out": num_held_out,
+            "answer_tokens": data.num_answer_tokens}
+
+
 def eagle3_aux_layers(artifact: Path, config: DraftConfig) -> list[int]:
     """The recipe's aux layers, checked against the model before any work; by default EAGLE-3's choice."""
     num_layers = AutoConfig.from_pretrained(artifact).num_hidden_layers
@@ -97,8 +103,7 @@ def save_eagle3(data: DistillSet, config: DraftConfig, aux_layers: list[int], fo
     summary = {
         "method": "eagle3", "hidden_size": draft.config.target_hidden_size, "aux_layer_ids": aux_layers,
         "config": draft.config.to_dict(),
-        "trained_on": {"prompts": config.prompts, "num_answers": len(data.token_ids), "num_held_out": trained["num_held_out"],
-                       "answer_tokens": data.num_answer_tokens},
+        "trained_on": trained_on(config, data, trained["num_held_out"]),
         "train": trained["train"],
     }
     save_heads(folder, draft)
@@ -145,8 +150,7 @@ def train_medusa(data: DistillSet, config: DraftConfig, folder: Path, device: to
     losses = train(heads, loss_fn, train_config, folder, f"medusa heads ({config.num_heads})", device)
     summary = {
         "method": "medusa", "num_heads": config.num_heads, "hidden_size": hidden.shape[1], "draft_vocab_size": len(vocab),
-        "trained_on": {"prompts": config.prompts, "num_answers": len(data.token_ids), "num_held_out": len(held_out),
-                       "answer_tokens": data.num_answer_tokens},
+        "trained_on": trained_on(config, data, len(held_out)),
         "train": {"steps": config.steps, "batch_size": config.batch_size, "lr": config.lr, "final_loss": losses[-1],
                   "train_top1_per_head": medusa_top1(heads, hidden[-4096:], labels[-4096:]),
                   "heldout_top1_per_head": medusa_top1(heads, *medusa_rows(held_out, to_vocab, config.num_heads)) if held_out else None},
@@ -202,11 +206,8 @@ def train_eagle(data: DistillSet, config: DraftConfig, folder: Path, artifact: P
     losses = train(draft, loss_fn, train_config, folder, "eagle draft", device)
     summary = {
         "method": "eagle", "hidden_size": shape.hidden_size, "shape": asdict(shape),
-        "trained_on": {"prompts": config.prompts, "num_answers": len(data.token_ids), "num_held_out": len(held_out),
-                       "answer_tokens": data.num_answer_tokens},
-        "train": {"steps": config.steps, "batch_size": sampler.num_windows * window_len, "lr": config.lr, "final_loss": losses[-1],
-                  "unroll": unroll, "train_top1_per_step": sampler.top1_per_step(lambda: guesses(training), EVAL_BATCHES),
-                  "heldout_top1_per_step": sampler.top1_per_step(lambda: guesses(held_out), EVAL_BATCHES) if held_out else None},
+        "trained_on": trained_on(config, data, len(held_out)),
+        "train": sampler.train_summary(config.steps, config.lr, losses, guesses, training, held_out),
     }
     save_heads(folder, draft)
     save_draft(folder, summary)

@@ -11,7 +11,7 @@ from llmc.draft.data import DistillSet
 from llmc.draft.losses import eagle3_loss, unrolled
 from llmc.draft.train import TrainConfig, train
 from llmc.draft.vocabulary import draft_vocabulary
-from llmc.draft.windows import EVAL_BATCHES, WindowSampler, held_out_windows, window_length
+from llmc.draft.windows import WindowSampler, held_out_windows, window_length
 from llmc.runtime.models.loader import WeightLoader
 from llmc.runtime.speculative.eagle3 import Eagle3Draft, eagle3_config
 
@@ -53,10 +53,5 @@ def train_eagle3(data: DistillSet, config: DraftConfig, aux_layers: list[int], f
         return [draft.logits(predicted).argmax(-1) for predicted in steps], labels
 
     losses = train(draft, loss_fn, TrainConfig(steps=config.steps, lr=config.lr, seed=config.seed), folder, "eagle-3 draft", device)
-    summary = {
-        "train": {"steps": config.steps, "batch_size": sampler.num_windows * window_len, "lr": config.lr, "final_loss": losses[-1],
-                  "unroll": unroll, "train_top1_per_step": sampler.top1_per_step(lambda: guesses(training), EVAL_BATCHES),
-                  "heldout_top1_per_step": sampler.top1_per_step(lambda: guesses(held_out), EVAL_BATCHES) if held_out else None},
-        "num_held_out": len(held_out),
-    }
+    summary = {"train": sampler.train_summary(config.steps, config.lr, losses, guesses, training, held_out), "num_held_out": len(held_out)}
     return draft.cpu(), summary

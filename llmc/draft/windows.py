@@ -50,6 +50,14 @@ class WindowSampler:
                     counted[step] += answer.sum().cpu()
         return [round(value, 4) for value in (hits / counted.clamp(min=1)).tolist()]
 
+    def train_summary(self, steps: int, lr: float, losses: list[float], guesses: Callable[[list], tuple[list[torch.Tensor], torch.Tensor]],
+                      training: list, held_out: list) -> dict:
+        """The `train` fields of an EAGLE or EAGLE-3 draft's summary: its settings, final loss and top-1 per drafting
+        step on training and held-out windows (guesses(pool): as top1_per_step's guess_batch, drawing from pool)."""
+        return {"steps": steps, "batch_size": self.num_windows * self.window_len, "lr": lr, "final_loss": losses[-1],
+                "unroll": self.unroll, "train_top1_per_step": self.top1_per_step(lambda: guesses(training), EVAL_BATCHES),
+                "heldout_top1_per_step": self.top1_per_step(lambda: guesses(held_out), EVAL_BATCHES) if held_out else None}
+
 
 def window_length(token_ids: list[list[int]], unroll: int) -> int:
     """EAGLE_WINDOW tokens, or fewer where the answers are shorter: at least half of them hold a window and the
