@@ -1,11 +1,13 @@
 """W4A16 (group 64) methods, or with --suite w8a8 the 8-bit weight-and-activation formats (W8A8 int8 with and
-without SmoothQuant, FP8 dynamic / static / block) and the FP8 KV cache, on SmolLM2-135M-Instruct, side by side: perplexity on WikiText-2 (first N windows of
-1,024 tokens), its increase over fp32, quantization wall and CPU time (process start to artifact written, model
-loading included; CPU time is the fairer figure on a shared machine) and the quantizing process's peak RSS.
-Calibration: Spec-Bench's non-MT-bench prompts, the same token windows for every method. Where `llmcompressor`
-is installed its GPTQ and AWQ run on the same model, samples and windows. The depth figure with GPTQ (8 vs 32 layers): `python benchmarks/layerwise_memory.py --stage gptq`.
+without SmoothQuant, FP8 dynamic / static / block) and the FP8 KV cache, on SmolLM2-135M-Instruct, side by side:
+perplexity on WikiText-2 (first N windows of 1,024 tokens), its increase over fp32, quantization wall and CPU time
+(process start to artifact written, model loading included; CPU time is the fairer figure on a shared machine) and
+the quantizing process's peak RSS. Calibration: Spec-Bench's non-MT-bench prompts, the same token windows for every
+method. Where `llmcompressor` is installed its GPTQ and AWQ run on the same model, samples and windows. The depth
+figure with GPTQ (8 vs 32 layers): `python benchmarks/layerwise_memory.py --stage gptq`.
 
-    python benchmarks/quantize.py [--suite w4a16|w8a8] [--samples 128] [--seq-len 512] [--windows 40] [--only GPTQ ...] [--fp32-perplexity P]
+    python benchmarks/quantize.py [--suite w4a16|w8a8] [--samples 128] [--seq-len 512] [--windows 40] [--only GPTQ ...]
+        [--fp32-perplexity P]
 """
 import argparse
 import json

@@ -49,10 +49,12 @@ def main() -> None:
         in_features = module.in_features if hasattr(module, "in_features") else module.weight.shape[1]
         dense = dense_weight(module, in_features)
         inputs = [torch.randn(rows, in_features, dtype=torch.bfloat16) for rows in ROWS]
-        kernels = [(type(module).__name__, module)] + ([] if isinstance(module, DenseLinear) else [("dense bf16", lambda x: F.linear(x, dense))])
+        kernels = [(type(module).__name__, module)]
+        if not isinstance(module, DenseLinear):
+            kernels.append(("dense bf16", lambda x, weight=dense: F.linear(x, weight)))
         for label, fn in kernels:
             with torch.inference_mode():
-                times = [microseconds(lambda: fn(x)) for x in inputs]
+                times = [microseconds(lambda fn=fn, x=x: fn(x)) for x in inputs]
             print(f"{name:<14}{label:<16}" + "".join(f"{t:>9.0f} us x{t / times[0]:<4.1f}" for t in times))
 
 

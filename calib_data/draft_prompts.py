@@ -95,7 +95,8 @@ def reasoning(rng: random.Random) -> str:
     y = rng.randint(2, 15)
     x = rng.randint(y + 3, 40)
     return rng.choice([
-        f"{a} has {x} {rng.choice(ITEMS)} and gives {y} to {b}, who then has twice as many as {a}. How many did {b} have at first? Explain step by step.",
+        f"{a} has {x} {rng.choice(ITEMS)} and gives {y} to {b}, who then has twice as many as {a}. "
+        f"How many did {b} have at first? Explain step by step.",
         f"{a} is taller than {b}, and {b} is taller than {rng.choice(NAMES)}. Who is the shortest? Explain your reasoning.",
         f"If it takes {y} workers {x} hours to build a wall, how long would it take {y * 2} workers? State your assumptions.",
         f"A train leaves {rng.choice(CITIES)} at {rng.randint(1, 11)} am travelling at {x + 40} km/h. How far has it gone after {y} hours?",
