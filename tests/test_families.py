@@ -12,6 +12,7 @@ from llmc.evals.loading import load_model
 from llmc.models.checkpoint import CheckpointReader
 from llmc.models.families import family_for
 from llmc.pipeline import run_quantize
+from llmc.prompts import distinct_prompts
 from llmc.quant.awq import AWQStage, AWQTransform
 from llmc.quant.layer import LayerRunner, LayerWork, recording
 from llmc.quant.qtypes import QuantArgs, fake_quantize
@@ -185,21 +186,29 @@ def test_prefix_caching_with_windows_gives_the_uncached_tokens(windowed_artifact
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("method", ["medusa", "eagle"])
-def test_draft_heads_train_on_a_gemma_artifact_and_speculation_keeps_its_greedy_tokens(tmp_path, calib_file, monkeypatch, method):
-    """Gemma 2 sets the most options apart from Llama (scaled embeddings, soft caps, windows): drafts are trained on its
-    quantized model through the runtime and speculative decoding still writes its greedy tokens."""
+@pytest.mark.parametrize(("family", "method"), [
+    ("gemma2", "medusa"), ("gemma2", "eagle"), ("gemma2", "eagle3"), ("gemma3_text", "eagle3"), ("qwen3", "eagle3"),
+])
+def test_draft_heads_train_on_the_family_and_speculation_keeps_its_greedy_tokens(tmp_path, calib_file, monkeypatch, family, method):
+    """Gemma 2 sets the most options apart from Llama (scaled embeddings, soft caps, windows), Gemma 3 its RoPE by layer
+    type, Qwen3 a head size apart from hidden / heads: drafts are trained on the quantized model through the runtime
+    (EAGLE-3 on the aux layers' features) and speculative decoding still writes its greedy tokens."""
     monkeypatch.setenv("LLMC_HOME", str(tmp_path / "home"))
-    overrides = dict(FAMILY_CONFIGS["gemma2"])
-    model = build_tiny_model(tmp_path / "model", "gemma2", seed=3, **overrides)
+    overrides = dict(FAMILY_CONFIGS[family])
+    model = build_tiny_model(tmp_path / "model", family, seed=3, **overrides)
     recipe = write_recipe(tmp_path / "r.yaml", model, tmp_path / "out", W4_G16, calib_file)
     recipe.write_text(recipe.read_text() + f"draft:\n  method: {method}\n  prompts: [{calib_file}]\n"
                       "  num_prompts: 4\n  max_tokens: 24\n  num_heads: 2\n  steps: 20\n  batch_size: 32\n")
     artifact = run_quantize(load_recipe(recipe, ["calibration.num_samples=2"]))
     assert (artifact / "draft" / "heads.safetensors").is_file()
-    greedy = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
-    plain = LLMEngine(str(artifact), EngineConfig(dtype=torch.float32)).generate(PROMPTS, greedy)
-    drafting = LLMEngine(str(artifact), EngineConfig(dtype=torch.float32, speculative=artifact / "draft", speculative_min_confidence=0.0))
-    assert [output["token_ids"] for output in drafting.generate(PROMPTS, greedy)] == [output["token_ids"] for output in plain]
+    greedy = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    plain_engine = LLMEngine(str(artifact), EngineConfig(dtype=torch.float32))
+    # the training prompts: a draft that learned the answers it was trained on must find them again where it serves,
+    # which a mismatch between training and serving (features, embeddings, positions) would break
+    prompts = PROMPTS + distinct_prompts(calib_file, 4, plain_engine.tokenizer)
+    plain = plain_engine.generate(prompts, greedy)
+    drafting = LLMEngine(str(artifact), EngineConfig(dtype=torch.float32, speculative=artifact / "draft", speculative_min_confidence=0.0,
+                                                       speculative_max_num_seqs=len(prompts), adaptive_speculation=False))
+    assert [output["token_ids"] for output in drafting.generate(prompts, greedy)] == [output["token_ids"] for output in plain]
     stats = drafting.runner.speculator.stats
-    assert stats.num_draft_tokens > 0 and stats.num_accepted_tokens > 0
+    assert stats.num_drafts > 0 and stats.num_accepted_tokens / stats.num_drafts > 0.05  # a guess among 400 tokens: ~0.01
