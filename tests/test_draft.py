@@ -10,7 +10,7 @@ from transformers import AutoConfig
 from llmc.cli import cli
 from llmc.draft.build import medusa_rows, medusa_top1, train_draft, train_eagle
 from llmc.draft.config import DraftConfig
-from llmc.draft.data import DistillSet, cached_self_distill, load_distill_set, save_distill_set
+from llmc.draft.data import DistillSet, cached_self_distill, distill_cache_path, load_distill_set, save_distill_set
 from llmc.draft.labels import OUT_OF_VOCAB
 from llmc.draft.losses import TOKEN_LOSS_WEIGHT, eagle_loss, medusa_labels, medusa_loss, unrolled
 from llmc.draft.train import CHECKPOINT, TrainConfig, train
@@ -213,6 +213,24 @@ def test_train_draft_needs_an_artifact_and_valid_settings(tmp_path):
         train_draft(tmp_path, DraftConfig())
     run = CliRunner().invoke(cli, ["train-draft", str(tmp_path), "--set", "steps=0"], standalone_mode=False)
     assert isinstance(run.exception, LlmcError) and "draft.steps" in str(run.exception)
+
+
+def test_stored_features_that_would_not_fit_are_refused_before_distilling(tmp_path, tiny_llama, calib_file, monkeypatch):
+    import llmc.draft.features as features
+
+    monkeypatch.setenv("LLMC_HOME", str(tmp_path / "home"))
+    artifact = run_quantize(load_recipe(write_recipe(tmp_path / "r.yaml", tiny_llama, tmp_path / "art", STAGE)))
+    config = DraftConfig(method="eagle3", prompts=[str(calib_file)], num_prompts=6, max_tokens=24, steps=1)
+    disk, memory = features.stored_feature_bytes(artifact, config, [0, 1, 2])
+    monkeypatch.setattr(features, "available_host_bytes", lambda: memory - 1)
+    with pytest.raises(LlmcError, match=r"GiB of memory in training \(.*\); read them online instead \(draft.features: online"):
+        train_draft(artifact, config)
+    assert not (tmp_path / "home" / "distill").exists()  # refused before any work
+    cached_self_distill(artifact, calib_file, 6, 24, aux_layers=(0, 1, 2))
+    stored = distill_cache_path(artifact, calib_file, 6, 24, (0, 1, 2)).stat().st_size
+    assert 0.8 * disk / 2 < stored <= disk / 2  # one set, counted twice; a whole answer for each prompt
+    cached_disk, cached_memory = features.stored_feature_bytes(artifact, config, [0, 1, 2])
+    assert cached_disk == 0 and 0.8 * memory < cached_memory <= memory  # now the set's own size
 
 
 def test_mt_bench_is_refused_as_training_prompts(tmp_path):

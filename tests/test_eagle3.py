@@ -1,6 +1,7 @@
 import json
 import sys
 import tempfile
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -12,9 +13,10 @@ from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig
 
 from llmc.draft.build import eagle3_aux_layers, save_eagle3
 from llmc.draft.config import DraftConfig
-from llmc.draft.data import load_distill_set, save_distill_set, self_distill
+from llmc.draft.data import distill_engine, load_distill_set, save_distill_set, self_distill
 from llmc.draft.eagle3 import train_eagle3
 from llmc.draft.export import VLLM_DIR, export_for_vllm
+from llmc.draft.features import OnlineFeatures, StoredFeatures, feature_mode
 from llmc.draft.losses import eagle3_loss
 from llmc.errors import LlmcError
 from llmc.runtime.engine.config import EngineConfig
@@ -35,7 +37,7 @@ def distilled_aux(tmp_path_factory, tiny_llama, calib_file):
 def eagle3_folder(tmp_path_factory, tiny_llama, distilled_aux) -> Path:
     folder = tmp_path_factory.mktemp("eagle3")
     config = DraftConfig(method="eagle3", steps=150, batch_size=64, lr=3e-3)
-    save_eagle3(distilled_aux, config, list(AUX_LAYERS), folder, tiny_llama)
+    save_eagle3(distilled_aux, "stored", config, list(AUX_LAYERS), folder, tiny_llama)
     return folder
 
 
@@ -146,13 +148,38 @@ def test_eagle3_training_is_reproducible_from_its_seed(tiny_llama, distilled_aux
     """The seed fixes the draft's initial weights and its training windows: the same seed, the same draft."""
     def trained_weights(seed: int, global_seed: int) -> dict[str, torch.Tensor]:
         torch.manual_seed(global_seed)  # whatever the global generator holds beforehand
-        draft, _ = train_eagle3(distilled_aux, DraftConfig(method="eagle3", steps=2, batch_size=32, seed=seed), list(AUX_LAYERS),
-                                Path(tempfile.mkdtemp()), tiny_llama)
+        config = DraftConfig(method="eagle3", steps=2, batch_size=32, seed=seed)
+        draft, _ = train_eagle3(distilled_aux, StoredFeatures(distilled_aux), config, list(AUX_LAYERS), Path(tempfile.mkdtemp()),
+                                tiny_llama)
         return draft.state_dict()
 
     first, again, other = trained_weights(0, 1), trained_weights(0, 2), trained_weights(1, 1)
     assert all(torch.equal(first[name], again[name]) for name in first)
     assert not torch.equal(first["fc.weight"], other["fc.weight"])
+
+
+def test_online_features_are_the_ones_the_distillation_stores(tiny_llama, distilled_aux):
+    """The engine's prefill over an answer computes the features its generation kept, token by token."""
+    online = OnlineFeatures(distill_engine(tiny_llama, "cpu", AUX_LAYERS), distilled_aux.token_ids)
+    picks = [(index, len(ids) - 1 - index) for index, ids in enumerate(distilled_aux.token_ids[:3])]
+    for (index, tokens), (aux, hidden) in zip(picks, online(picks)):
+        assert aux.dtype == torch.bfloat16 and aux.shape[0] == hidden.shape[0] == tokens
+        for online_rows, stored_rows in [(aux, distilled_aux.aux[index][:tokens]), (hidden, distilled_aux.hidden[index][:tokens])]:
+            # bfloat16 where the CPU computes it (decoding and one prefill round differently): within 1%, each row
+            relative = (online_rows.float() - stored_rows.float()).norm(dim=-1) / stored_rows.float().norm(dim=-1)
+            assert relative.max() < 0.01
+
+
+def test_eagle3_trains_online_as_on_stored_features(tiny_llama, distilled_aux):
+    """The same seed, windows and features, read online instead of stored: the same training up to float rounding."""
+    config = DraftConfig(method="eagle3", steps=3, batch_size=32)
+    online = OnlineFeatures(distill_engine(tiny_llama, "cpu", AUX_LAYERS), distilled_aux.token_ids)
+    answers_only = replace(distilled_aux, hidden=None, aux=None)
+    stored, read_online = [train_eagle3(data, source, config, list(AUX_LAYERS), Path(tempfile.mkdtemp()), tiny_llama)[1]["train"]
+                           for data, source in [(distilled_aux, StoredFeatures(distilled_aux)), (answers_only, online)]]
+    # Adam turns rounding in a near-zero gradient into a whole step, so the losses and guesses are compared, not weights
+    assert read_online["final_loss"] == pytest.approx(stored["final_loss"], rel=1e-3)
+    assert read_online["train_top1_per_step"] == pytest.approx(stored["train_top1_per_step"], abs=0.02)
 
 
 def test_export_writes_the_layout_vllm_loads(tmp_path, eagle3_folder):
@@ -183,6 +210,16 @@ def test_aux_layers_are_checked_before_any_work(tiny_llama):
         DraftConfig(method="eagle", aux_layers=[1])
     num_layers = AutoConfig.from_pretrained(tiny_llama).num_hidden_layers
     assert eagle3_aux_layers(tiny_llama, DraftConfig(method="eagle3")) == default_aux_layers(num_layers)
+
+
+def test_features_are_read_online_on_a_gpu_and_stored_on_a_cpu_unless_the_recipe_says():
+    cpu, gpu = torch.device("cpu"), torch.device("cuda", 0)
+    assert [feature_mode(DraftConfig(method="eagle3"), device) for device in (cpu, gpu)] == ["stored", "online"]
+    assert feature_mode(DraftConfig(method="eagle3", features="online"), cpu) == "online"
+    assert feature_mode(DraftConfig(method="eagle3", features="stored"), gpu) == "stored"
+    assert feature_mode(DraftConfig(method="eagle"), gpu) == "stored"  # EAGLE and Medusa read the final states alone
+    with pytest.raises(ValueError, match="only an eagle3 draft reads the target's features online"):
+        DraftConfig(method="medusa", features="online")
 
 
 def test_eagle_and_medusa_drafts_say_why_vllm_cannot_load_them(trained):

@@ -1,9 +1,12 @@
 """Each dense family on a tiny random config built from transformers' own config class: quantized by llmc, loaded
 by transformers as it is, folded by AWQ and SmoothQuant without changing the full-precision layer, and served by
 llmc's runtime with transformers' greedy tokens (continuous batching, prefix caching, chunked prefill)."""
+import json
+
 import pytest
 import torch
 from conftest import CORPUS, build_tiny_model, run_staggered, write_recipe
+from safetensors.torch import load_file
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from llmc.calib.driver import build_skeleton, decoder_layers, embed, layer_linears, materialize
@@ -186,21 +189,28 @@ def test_prefix_caching_with_windows_gives_the_uncached_tokens(windowed_artifact
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(("family", "method"), [
-    ("gemma2", "medusa"), ("gemma2", "eagle"), ("gemma2", "eagle3"), ("gemma3_text", "eagle3"), ("qwen3", "eagle3"),
+@pytest.mark.parametrize(("family", "method", "features"), [
+    ("gemma2", "medusa", "stored"), ("gemma2", "eagle", "stored"), ("gemma2", "eagle3", "stored"),
+    ("gemma3_text", "eagle3", "stored"), ("qwen3", "eagle3", "online"),
 ])
-def test_draft_heads_train_on_the_family_and_speculation_keeps_its_greedy_tokens(tmp_path, calib_file, monkeypatch, family, method):
+def test_draft_heads_train_on_the_family_and_speculation_keeps_its_greedy_tokens(tmp_path, calib_file, monkeypatch, family, method,
+                                                                                 features):
     """Gemma 2 sets the most options apart from Llama (scaled embeddings, soft caps, windows), Gemma 3 its RoPE by layer
     type, Qwen3 a head size apart from hidden / heads: drafts are trained on the quantized model through the runtime
-    (EAGLE-3 on the aux layers' features) and speculative decoding still writes its greedy tokens."""
+    (EAGLE-3 on the aux layers' features, stored by the distillation or, for Qwen3, computed online) and speculative
+    decoding still writes its greedy tokens."""
     monkeypatch.setenv("LLMC_HOME", str(tmp_path / "home"))
     overrides = dict(FAMILY_CONFIGS[family])
     model = build_tiny_model(tmp_path / "model", family, seed=3, **overrides)
     recipe = write_recipe(tmp_path / "r.yaml", model, tmp_path / "out", W4_G16, calib_file)
     recipe.write_text(recipe.read_text() + f"draft:\n  method: {method}\n  prompts: [{calib_file}]\n"
-                      "  num_prompts: 4\n  max_tokens: 24\n  num_heads: 2\n  steps: 20\n  batch_size: 32\n")
+                      "  num_prompts: 4\n  max_tokens: 24\n  num_heads: 2\n  steps: 20\n  batch_size: 32\n"
+                      + (f"  features: {features}\n" if method == "eagle3" else ""))
     artifact = run_quantize(load_recipe(recipe, ["calibration.num_samples=2"]))
     assert (artifact / "draft" / "heads.safetensors").is_file()
+    assert json.loads((artifact / "draft" / "config.json").read_text())["train"].get("features", "stored") == features
+    stored = [path for path in (tmp_path / "home" / "distill").glob("*.safetensors") if "hidden" in load_file(path)]
+    assert len(stored) == (features == "stored")  # online: the answers' token ids alone
     greedy = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
     plain_engine = LLMEngine(str(artifact), EngineConfig(dtype=torch.float32))
     # the training prompts: a draft that learned the answers it was trained on must find them again where it serves,

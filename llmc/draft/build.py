@@ -3,6 +3,7 @@ import json
 import time
 from dataclasses import asdict
 from pathlib import Path
+from typing import Literal
 
 import torch
 from tqdm import tqdm
@@ -10,9 +11,10 @@ from transformers import AutoConfig
 
 from llmc.artifact.writer import MANIFEST, write_manifest
 from llmc.draft.config import DraftConfig
-from llmc.draft.data import DistillSet, cached_self_distill
+from llmc.draft.data import DistillSet, cached_self_distill, distill_engine
 from llmc.draft.eagle3 import train_eagle3
 from llmc.draft.export import VLLM_DIR, VLLM_METHODS, export_for_vllm
+from llmc.draft.features import OnlineFeatures, StoredFeatures, check_stored_features_fit, feature_mode
 from llmc.draft.labels import NOT_LEARNED
 from llmc.draft.losses import eagle_loss, medusa_labels, medusa_loss, unrolled
 from llmc.draft.train import TrainConfig, train
@@ -43,15 +45,18 @@ def train_draft(artifact: Path, config: DraftConfig, device: torch.device | str 
         raise LlmcError(f"{artifact} is not an llmc artifact (no {MANIFEST})")
     check_prompt_files(config.prompts)
     aux_layers = eagle3_aux_layers(artifact, config) if config.method == "eagle3" else []
+    features = feature_mode(config, device)
+    if features == "stored":
+        check_stored_features_fit(artifact, config, aux_layers)
     started = time.perf_counter()
     data = DistillSet.joined([cached_self_distill(artifact, Path(file), config.num_prompts, config.max_tokens, device,
-                                                  tuple(aux_layers)) for file in config.prompts])
+                                                  tuple(aux_layers), keep_features=features == "stored") for file in config.prompts])
     distill_s = time.perf_counter() - started
     folder = artifact / DRAFT_DIR
     if config.method == "eagle":
         summary = train_eagle(data, config, folder, artifact, device)
     elif config.method == "eagle3":
-        summary = save_eagle3(data, config, aux_layers, folder, artifact, device)
+        summary = save_eagle3(data, features, config, aux_layers, folder, artifact, device)
     else:
         summary = train_medusa(data, config, folder, device)
     summary["train"] |= {"device": str(device), "distill_s": round(distill_s, 1)}
@@ -96,10 +101,14 @@ def eagle3_aux_layers(artifact: Path, config: DraftConfig) -> list[int]:
     return list(aux_layer_ids(config.aux_layers or default_aux_layers(num_layers), num_layers, f"{artifact}: draft.aux_layers"))
 
 
-def save_eagle3(data: DistillSet, config: DraftConfig, aux_layers: list[int], folder: Path, artifact: Path,
-                device: torch.device | str = "cpu") -> dict:
-    """Train an EAGLE-3 draft into folder; returns the summary that goes in its config.json."""
-    draft, trained = train_eagle3(data, config, aux_layers, folder, artifact, device)
+def save_eagle3(data: DistillSet, features: Literal["stored", "online"], config: DraftConfig, aux_layers: list[int],
+                folder: Path, artifact: Path, device: torch.device | str = "cpu") -> dict:
+    """Train an EAGLE-3 draft into folder, reading the target's features as `features` says; returns the summary that
+    goes in its config.json."""
+    source = StoredFeatures(data) if features == "stored" else OnlineFeatures(
+        distill_engine(artifact, device, tuple(aux_layers)), data.token_ids)
+    draft, trained = train_eagle3(data, source, config, aux_layers, folder, artifact, device)
+    trained["train"]["features"] = features
     summary = {
         "method": "eagle3", "hidden_size": draft.config.target_hidden_size, "aux_layer_ids": aux_layers,
         "config": draft.config.to_dict(),

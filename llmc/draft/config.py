@@ -29,6 +29,9 @@ class DraftConfig(StrictModel):
     # EAGLE-3: the target layers whose entering residual stream the draft fuses (0: the embeddings, num_layers: the
     # last layer's output); None: EAGLE-3's low, middle and high choice (runtime.speculative.eagle3.default_aux_layers)
     aux_layers: list[int] | None = Field(None, min_length=1)
+    # EAGLE-3: the target's features stored by the distillation, or computed again by the target while training
+    # (draft.features); auto: online on a GPU, stored on a CPU
+    features: Literal["auto", "stored", "online"] = "auto"
     seed: int = 0
 
     @field_validator("prompts", mode="before")
@@ -40,6 +43,8 @@ class DraftConfig(StrictModel):
     def _method_defaults(self) -> "DraftConfig":
         if self.aux_layers is not None and self.method != "eagle3":
             raise ValueError(f"aux_layers: only an eagle3 draft fuses target layers, this one is {self.method}")
+        if self.features == "online" and self.method != "eagle3":
+            raise ValueError(f"features: only an eagle3 draft reads the target's features online, this one is {self.method}")
         self.steps = self.steps or STEPS[self.method]
         self.batch_size = self.batch_size or (128 if self.method == "medusa" else 512)
         return self

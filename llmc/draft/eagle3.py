@@ -8,6 +8,7 @@ from transformers import AutoConfig
 
 from llmc.draft.config import DraftConfig
 from llmc.draft.data import DistillSet
+from llmc.draft.features import FeatureSource
 from llmc.draft.losses import eagle3_loss, unrolled
 from llmc.draft.train import TrainConfig, train
 from llmc.draft.vocabulary import draft_vocabulary
@@ -16,17 +17,17 @@ from llmc.runtime.models.loader import WeightLoader
 from llmc.runtime.speculative.eagle3 import Eagle3Draft, eagle3_config
 
 
-def train_eagle3(data: DistillSet, config: DraftConfig, aux_layers: list[int], folder: Path, artifact: Path,
-                 device: torch.device | str = "cpu") -> tuple[Eagle3Draft, dict]:
-    """The trained draft and its training summary (the train-draft summary's fields)."""
+def train_eagle3(data: DistillSet, features: FeatureSource, config: DraftConfig, aux_layers: list[int], folder: Path,
+                 artifact: Path, device: torch.device | str = "cpu") -> tuple[Eagle3Draft, dict]:
+    """The trained draft and its training summary (the train-draft summary's fields); features: where the windows'
+    target features come from (stored with data or computed online)."""
     weights = WeightLoader(artifact, torch.float32, "cpu")
     embeddings = weights.tensor("model.embed_tokens.weight")
     unroll = config.unroll
     window_len = window_length(data.token_ids, unroll)
-    columns = zip(data.token_ids, data.hidden, data.aux, data.answer_starts)
-    seqs = [(torch.tensor(ids), hidden, aux, start) for ids, hidden, aux, start in columns]
+    seqs = [(torch.tensor(ids), index, start) for index, (ids, start) in enumerate(zip(data.token_ids, data.answer_starts))]
     training, held_out = held_out_windows(seqs, window_len + unroll + 1)
-    vocab, to_vocab = draft_vocabulary([ids[start:] for ids, _, _, start in training], len(data.lm_head))
+    vocab, to_vocab = draft_vocabulary([ids[start:] for ids, _, start in training], len(data.lm_head))
     lm_head = data.lm_head[vocab].to(device)
     torch.manual_seed(config.seed)  # the draft's initial weights
     draft = Eagle3Draft(eagle3_config(AutoConfig.from_pretrained(artifact), aux_layers, len(vocab)))
@@ -36,19 +37,25 @@ def train_eagle3(data: DistillSet, config: DraftConfig, aux_layers: list[int], f
         draft.norm.weight.copy_(weights.tensor("model.norm.weight"))
     sampler = WindowSampler(window_len, unroll, max(1, config.batch_size // window_len), torch.Generator().manual_seed(config.seed))
 
-    def window(ids: torch.Tensor, hidden: torch.Tensor, aux: torch.Tensor, answer_start: int) -> tuple[torch.Tensor, ...]:
-        """Rows start..end - 1, and the unroll - 1 tokens and target states past them that the deeper steps need."""
-        start, labels = sampler.span(ids, answer_start, to_vocab)
-        end = start + window_len
-        return (aux[start:end].float(), embeddings[ids[start + 1 : end + unroll]], torch.arange(start, end),
-                hidden[start + 1 : end + unroll], labels)
+    def batch(pool: list) -> list[torch.Tensor]:
+        """Per window, rows start..end - 1, and the unroll - 1 tokens and target states past them that the deeper
+        steps need, stacked on device."""
+        picks = sampler.pick(pool)
+        spans = [sampler.span(ids, answer_start, to_vocab) for ids, _, answer_start in picks]
+        read = features([(index, start + window_len + unroll) for (_, index, _), (start, _) in zip(picks, spans)])
+        windows = [
+            (aux[start : start + window_len].float(), embeddings[ids[start + 1 : start + window_len + unroll]],
+             torch.arange(start, start + window_len), hidden[start + 1 : start + window_len + unroll], labels)
+            for (ids, _, _), (start, labels), (aux, hidden) in zip(picks, spans, read)
+        ]
+        return [torch.stack(parts).to(device) for parts in zip(*windows)]
 
     def loss_fn(step: int) -> torch.Tensor:
-        aux, embedded, positions, target_hidden, labels = sampler.batch(training, window, device)
+        aux, embedded, positions, target_hidden, labels = batch(training)
         return eagle3_loss(draft, aux, embedded, positions, target_hidden, labels >= 0, lm_head, unroll)
 
     def guesses(pool: list) -> tuple[list[torch.Tensor], torch.Tensor]:
-        aux, embedded, positions, _, labels = sampler.batch(pool, window, device)
+        aux, embedded, positions, _, labels = batch(pool)
         steps = unrolled(draft, draft.combine(aux), embedded, positions, unroll)
         return [draft.logits(predicted).argmax(-1) for predicted in steps], labels
 

@@ -29,11 +29,14 @@ class WindowSampler:
         guessed = torch.arange(start + 2, end + self.unroll + 1)
         return start, torch.where(guessed >= answer_start, to_vocab[ids[start + 2 : end + self.unroll + 1]], NOT_LEARNED)
 
+    def pick(self, pool: list[tuple]) -> list[tuple]:
+        """num_windows answers drawn from pool."""
+        return [pool[index] for index in torch.randint(len(pool), (self.num_windows,), generator=self.generator).tolist()]
+
     def batch(self, pool: list[tuple], window: Callable[..., tuple[torch.Tensor, ...]],
               device: torch.device | str) -> list[torch.Tensor]:
         """num_windows answers drawn from pool, each cut by window(*answer), the parts stacked and moved to device."""
-        picks = torch.randint(len(pool), (self.num_windows,), generator=self.generator).tolist()
-        return [torch.stack(parts).to(device) for parts in zip(*(window(*pool[index]) for index in picks))]
+        return [torch.stack(parts).to(device) for parts in zip(*(window(*answer) for answer in self.pick(pool)))]
 
     def top1_per_step(self, guess_batch: Callable[[], tuple[list[torch.Tensor], torch.Tensor]], num_batches: int) -> list[float]:
         """Per drafting step, the share of answer tokens the draft ranks first over num_batches batches; guess_batch
