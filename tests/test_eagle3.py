@@ -19,6 +19,8 @@ from llmc.draft.export import VLLM_DIR, export_for_vllm
 from llmc.draft.features import OnlineFeatures, StoredFeatures, feature_mode
 from llmc.draft.losses import eagle3_loss
 from llmc.errors import LlmcError
+from llmc.pipeline import run_quantize
+from llmc.recipe import load_recipe
 from llmc.runtime.engine.config import EngineConfig
 from llmc.runtime.llm_engine import LLMEngine
 from llmc.runtime.sampling_params import SamplingParams
@@ -210,6 +212,28 @@ def test_aux_layers_are_checked_before_any_work(tiny_llama):
         DraftConfig(method="eagle", aux_layers=[1])
     num_layers = AutoConfig.from_pretrained(tiny_llama).num_hidden_layers
     assert eagle3_aux_layers(tiny_llama, DraftConfig(method="eagle3")) == default_aux_layers(num_layers)
+
+
+def test_a_draft_that_cannot_train_is_refused_before_quantizing(tmp_path, tiny_llama, calib_file, monkeypatch):
+    import llmc.draft.features as features
+
+    class Quantizing(Exception):
+        pass
+
+    def quantize_layerwise(*args, **kwargs):
+        raise Quantizing
+
+    monkeypatch.setenv("LLMC_HOME", str(tmp_path / "home"))
+    monkeypatch.setattr("llmc.pipeline.quantize_layerwise", quantize_layerwise)
+    recipe = draft_gate_recipe(tmp_path, tiny_llama, calib_file, 1.0)
+    with pytest.raises(LlmcError, match=r"r\.yaml line \d+: draft: .*layers are numbered 0\.\.2"):
+        run_quantize(load_recipe(recipe, ["draft.aux_layers=[1,5]"]))
+    monkeypatch.setattr(features, "available_host_bytes", lambda: 1000)
+    with pytest.raises(LlmcError, match=r"r\.yaml line \d+: draft: .*GiB of memory in training"):
+        run_quantize(load_recipe(recipe))
+    assert not (tmp_path / "out").exists() and not (tmp_path / "home" / "distill").exists()
+    with pytest.raises(Quantizing):  # online, nothing is stored: on to quantizing
+        run_quantize(load_recipe(recipe, ["draft.features=online"]))
 
 
 def test_features_are_read_online_on_a_gpu_and_stored_on_a_cpu_unless_the_recipe_says():

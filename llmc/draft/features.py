@@ -13,6 +13,7 @@ from typing import Literal, Protocol
 import torch
 from transformers import AutoConfig, AutoTokenizer
 
+from llmc.artifact.writer import MANIFEST
 from llmc.calib.memory import GIB, available_host_bytes
 from llmc.draft.config import DraftConfig
 from llmc.draft.data import DistillSet, distill_cache_path, sequence_features
@@ -50,8 +51,9 @@ def stored_feature_bytes(artifact: Path, config: DraftConfig, aux_layers: list[i
     lm_head = hf.vocab_size * hf.hidden_size * 2  # stored with each set in bfloat16, held once in float32
     new_sets, cached_bytes = [], 0
     for file in map(Path, config.prompts):
-        cached = distill_cache_path(artifact, file, config.num_prompts, config.max_tokens, tuple(aux_layers))
-        if cached.is_file():
+        cached = distill_cache_path(artifact, file, config.num_prompts, config.max_tokens, tuple(aux_layers)) if (
+            artifact / MANIFEST).is_file() else None  # a model not yet quantized: nothing of it is cached
+        if cached is not None and cached.is_file():
             cached_bytes += cached.stat().st_size - lm_head
             continue
         prompts = distinct_prompts(file, config.num_prompts or len(read_prompt_texts(file)), tokenizer)
@@ -62,8 +64,11 @@ def stored_feature_bytes(artifact: Path, config: DraftConfig, aux_layers: list[i
 
 
 def check_stored_features_fit(artifact: Path, config: DraftConfig, aux_layers: list[int]) -> None:
-    """Before any distillation: stored features must fit the disk under LLMC_HOME and host memory."""
+    """Before any distillation: stored features must fit the disk under LLMC_HOME and host memory; before the artifact
+    exists (a model folder), memory alone, as the disk they need depends on what the cache holds for the artifact."""
     disk, memory = stored_feature_bytes(artifact, config, aux_layers)
+    if not (artifact / MANIFEST).is_file():
+        disk = 0
     home = llmc_home()
     disk_free = shutil.disk_usage(next(parent for parent in [home, *home.parents] if parent.exists())).free
     memory_free = available_host_bytes()
