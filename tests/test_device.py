@@ -60,13 +60,17 @@ def test_device_option_is_resolved_before_any_work(command):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_draft_heads_distil_and_train_on_cuda(tmp_path, tiny_llama, calib_file, monkeypatch):
+@pytest.mark.parametrize("method", ["medusa", "eagle3"])
+def test_draft_heads_distil_and_train_on_cuda(tmp_path, tiny_llama, calib_file, monkeypatch, method):
+    """EAGLE-3 on a GPU reads the target's features online by default: the engine's prefill on CUDA every step."""
     monkeypatch.setenv("LLMC_HOME", str(tmp_path / "home"))
     artifact = quantize(tmp_path, tiny_llama, calib_file, STAGES["gptq"], "cuda")
-    config = DraftConfig(prompts=[str(calib_file)], num_prompts=6, max_tokens=24, num_heads=2, steps=40, batch_size=32)
+    config = DraftConfig(method=method, prompts=[str(calib_file)], num_prompts=6, max_tokens=24, num_heads=2, steps=40,
+                         batch_size=32)
     folder = train_draft(artifact, config, "cuda")
     summary = json.loads((folder / "config.json").read_text())
     assert summary["train"]["device"] == "cuda"
+    assert summary["train"].get("features", "stored") == ("online" if method == "eagle3" else "stored")
     heads = load_file(folder / "heads.safetensors")
     assert all(tensor.device.type == "cpu" and tensor.isfinite().all() for tensor in heads.values())
     losses = summary["train"]["final_loss"]

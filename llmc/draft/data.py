@@ -45,7 +45,7 @@ class Answer:
 @dataclass(slots=True)
 class DistillSet:
     token_ids: list[list[int]]  # prompt + the target's own answer
-    hidden: list[torch.Tensor] | None  # [len - 1, hidden] float32 final hidden states, one per token but the last
+    hidden: list[torch.Tensor] | None  # [len - 1, hidden] float32 final hidden states, one per token but the last; None: answers only
     answer_starts: list[int]  # index of the first answer token
     lm_head: torch.Tensor  # [vocab, hidden] float32, the target's output projection as served
     aux: list[torch.Tensor] | None = None  # [len - 1, layers * hidden] bfloat16 each, with aux layers

@@ -21,6 +21,14 @@ from llmc.server_process import free_port, served
 
 SERVED_NAME = "llmc-eval"
 STARTUP_TIMEOUT_S = 900
+MAX_MODEL_LEN = 2048  # the measured prompts and answers fit; a long-context model's own length would reserve far more KV
+
+
+def served_length(model: str) -> int:
+    """MAX_MODEL_LEN, or the model's own context where that is shorter (vLLM refuses a longer one)."""
+    config = Path(model) / "config.json"
+    own = json.loads(config.read_text()).get("max_position_embeddings") if config.is_file() else None
+    return min(MAX_MODEL_LEN, own or MAX_MODEL_LEN)
 
 
 def vllm_executable(path: str) -> str:
@@ -41,9 +49,10 @@ def check_vllm_inputs(draft: Path, vllm: str) -> None:
 def vllm_server(executable: str, model: str, extra: list[str], log: Path) -> Iterator[str]:
     """`vllm serve MODEL` on a free local port with both cores, once it answers; its base URL. Stopped on the way out."""
     port = free_port()
-    command = [executable, "serve", vllm_model(model), "--host", "127.0.0.1", "--port", str(port), "--served-model-name",
-               SERVED_NAME, "--dtype", "bfloat16", "--max-num-seqs", "1", "--no-enable-prefix-caching", "--max-model-len", "2048",
-               *extra]
+    folder = vllm_model(model)
+    command = [executable, "serve", folder, "--host", "127.0.0.1", "--port", str(port), "--served-model-name", SERVED_NAME,
+               "--dtype", "bfloat16", "--max-num-seqs", "1", "--no-enable-prefix-caching", "--max-model-len",
+               str(served_length(folder)), *extra]
     cores = os.cpu_count() or 1
     env = os.environ | {"VLLM_CPU_OMP_THREADS_BIND": f"0-{cores - 1}", "VLLM_CPU_NUM_OF_RESERVED_CPU": "0", "VLLM_CPU_KVCACHE_SPACE": "2"}
     url = f"http://127.0.0.1:{port}"
