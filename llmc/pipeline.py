@@ -63,9 +63,9 @@ def run_quantize(recipe: Recipe, overwrite: bool = False, eval_inputs: EvalInput
     family = family_for(config)
     tokenizer = AutoTokenizer.from_pretrained(folder)
     if recipe.draft is not None:  # what the draft stage will need, checked before the quantization it follows
-        from llmc.draft.build import check_draft_fits
+        from llmc.draft.build import checked_draft_inputs
 
-        resolved(recipe, ("draft",), lambda: check_draft_fits(folder, recipe.draft, device))
+        resolved(recipe, ("draft",), lambda: checked_draft_inputs(folder, recipe.draft, device))
     dtype = export_dtype(recipe, config)
     kv_cache = recipe.kv_cache.args if recipe.kv_cache else None
     exporter = exporter_for(recipe.export, kv_cache, recipe.gptq_dampening_frac)

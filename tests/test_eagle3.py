@@ -164,7 +164,7 @@ def test_online_features_are_the_ones_the_distillation_stores(tiny_llama, distil
     """The engine's prefill over an answer computes the features its generation kept, token by token."""
     online = OnlineFeatures(distill_engine(tiny_llama, "cpu", AUX_LAYERS), distilled_aux.token_ids)
     picks = [(index, len(ids) - 1 - index) for index, ids in enumerate(distilled_aux.token_ids[:3])]
-    for (index, tokens), (aux, hidden) in zip(picks, online(picks)):
+    for (index, tokens), (hidden, aux) in zip(picks, online(picks)):
         assert aux.dtype == torch.bfloat16 and aux.shape[0] == hidden.shape[0] == tokens
         for online_rows, stored_rows in [(aux, distilled_aux.aux[index][:tokens]), (hidden, distilled_aux.hidden[index][:tokens])]:
             # bfloat16 where the CPU computes it (decoding and one prefill round differently): within 1%, each row

@@ -44,9 +44,7 @@ def train_draft(artifact: Path, config: DraftConfig, device: torch.device | str 
     if not (artifact / MANIFEST).is_file():
         raise LlmcError(f"{artifact} is not an llmc artifact (no {MANIFEST})")
     check_prompt_files(config.prompts)
-    check_draft_fits(artifact, config, device)
-    aux_layers = eagle3_aux_layers(artifact, config) if config.method == "eagle3" else []
-    features = feature_mode(config, device)
+    aux_layers, features = checked_draft_inputs(artifact, config, device)
     started = time.perf_counter()
     data = DistillSet.joined([cached_self_distill(artifact, Path(file), config.num_prompts, config.max_tokens, device,
                                                   tuple(aux_layers), keep_features=features == "stored") for file in config.prompts])
@@ -94,13 +92,15 @@ def trained_on(config: DraftConfig, data: DistillSet, num_held_out: int) -> dict
             "answer_tokens": data.num_answer_tokens}
 
 
-def check_draft_fits(model: Path, config: DraftConfig, device: torch.device) -> None:
-    """The draft's aux layers, and the memory and disk its stored features will take, checked against the artifact
-    or, before quantizing, against the model it will be made of (memory alone: which sets are cached is the
-    artifact's to say)."""
+def checked_draft_inputs(model: Path, config: DraftConfig, device: torch.device) -> tuple[list[int], Literal["stored", "online"]]:
+    """The draft's aux layers and where it reads the target's features, with the memory and disk its stored features
+    will take checked against the artifact or, before quantizing, against the model it will be made of (memory alone:
+    which sets are cached is the artifact's to say)."""
     aux_layers = eagle3_aux_layers(model, config) if config.method == "eagle3" else []
-    if feature_mode(config, device) == "stored":
+    features = feature_mode(config, device)
+    if features == "stored":
         check_stored_features_fit(model, config, aux_layers)
+    return aux_layers, features
 
 
 def eagle3_aux_layers(artifact: Path, config: DraftConfig) -> list[int]:

@@ -46,7 +46,7 @@ def train_eagle3(data: DistillSet, features: FeatureSource, config: DraftConfig,
         windows = [
             (aux[start : start + window_len].float(), embeddings[ids[start + 1 : start + window_len + unroll]],
              torch.arange(start, start + window_len), hidden[start + 1 : start + window_len + unroll], labels)
-            for (ids, _, _), (start, labels), (aux, hidden) in zip(picks, spans, read)
+            for (ids, _, _), (start, labels), (hidden, aux) in zip(picks, spans, read)
         ]
         return [torch.stack(parts).to(device) for parts in zip(*windows)]
 

@@ -49,18 +49,17 @@ def stored_feature_bytes(artifact: Path, config: DraftConfig, aux_layers: list[i
     tokenizer = AutoTokenizer.from_pretrained(artifact)
     disk_per_token, memory_per_token = feature_bytes_per_token(hf.hidden_size, len(aux_layers))
     lm_head = hf.vocab_size * hf.hidden_size * 2  # stored with each set in bfloat16, held once in float32
-    new_sets, cached_bytes = [], 0
+    new_tokens, cached_tokens = [], 0  # per set to distil; in the sets cached
     for file in map(Path, config.prompts):
         cached = distill_cache_path(artifact, file, config.num_prompts, config.max_tokens, tuple(aux_layers)) if (
             artifact / MANIFEST).is_file() else None  # a model not yet quantized: nothing of it is cached
         if cached is not None and cached.is_file():
-            cached_bytes += cached.stat().st_size - lm_head
+            cached_tokens += (cached.stat().st_size - lm_head) // disk_per_token
             continue
         prompts = distinct_prompts(file, config.num_prompts or len(read_prompt_texts(file)), tokenizer)
-        tokens = sum(len(ids) + config.max_tokens for ids in tokenizer(prompts, add_special_tokens=False)["input_ids"])
-        new_sets.append(tokens * disk_per_token + lm_head)
-    memory = (sum(new_sets) - len(new_sets) * lm_head + cached_bytes) // disk_per_token * memory_per_token + 2 * lm_head
-    return sum(new_sets) + max(new_sets, default=0), memory
+        new_tokens.append(sum(len(ids) + config.max_tokens for ids in tokenizer(prompts, add_special_tokens=False)["input_ids"]))
+    new_sets = [tokens * disk_per_token + lm_head for tokens in new_tokens]
+    return sum(new_sets) + max(new_sets, default=0), (sum(new_tokens) + cached_tokens) * memory_per_token + 2 * lm_head
 
 
 def check_stored_features_fit(artifact: Path, config: DraftConfig, aux_layers: list[int]) -> None:
@@ -83,8 +82,8 @@ def check_stored_features_fit(artifact: Path, config: DraftConfig, aux_layers: l
 
 class FeatureSource(Protocol):
     def __call__(self, picks: list[tuple[int, int]]) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """picks: (answer index, tokens needed from its start). Per pick, the aux features [>= tokens, layers *
-        hidden] bfloat16 and final hidden states [>= tokens, hidden] float32 of the answer's first tokens."""
+        """picks: (answer index, tokens needed from its start). Per pick, the final hidden states [>= tokens, hidden]
+        float32 and aux features [>= tokens, layers * hidden] bfloat16 of the answer's first tokens."""
 
 
 @dataclass(slots=True)
@@ -92,7 +91,7 @@ class StoredFeatures:
     data: DistillSet  # distilled with its features
 
     def __call__(self, picks: list[tuple[int, int]]) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        return [(self.data.aux[index], self.data.hidden[index]) for index, _ in picks]
+        return [(self.data.hidden[index], self.data.aux[index]) for index, _ in picks]
 
 
 @dataclass(slots=True)
@@ -104,4 +103,4 @@ class OnlineFeatures:
         seqs = [self.engine.add_request(self.token_ids[index][:tokens], PREFILL_ONLY) for index, tokens in picks]
         while self.engine.has_unfinished():
             self.engine.step()
-        return [(aux, hidden) for hidden, aux in map(sequence_features, seqs)]
+        return list(map(sequence_features, seqs))
