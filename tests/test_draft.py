@@ -231,6 +231,7 @@ def test_stored_features_that_would_not_fit_are_refused_before_distilling(tmp_pa
     assert 0.8 * disk / 2 < stored <= disk / 2  # one set, counted twice; a whole answer for each prompt
     cached_disk, cached_memory = features.stored_feature_bytes(artifact, config, [0, 1, 2])
     assert cached_disk == 0 and 0.8 * memory < cached_memory <= memory  # now the set's own size
+    assert features.stored_feature_bytes(tiny_llama, config, [0, 1, 2])[0] == 0  # a model folder: memory alone
 
 
 def test_mt_bench_is_refused_as_training_prompts(tmp_path):

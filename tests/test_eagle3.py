@@ -14,10 +14,11 @@ from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig
 from llmc.draft.build import eagle3_aux_layers, save_eagle3
 from llmc.draft.config import DraftConfig
 from llmc.draft.data import distill_engine, load_distill_set, save_distill_set, self_distill
-from llmc.draft.eagle3 import train_eagle3
+from llmc.draft.eagle3 import padded_batch, sequence_rows, train_eagle3
 from llmc.draft.export import VLLM_DIR, export_for_vllm
 from llmc.draft.features import OnlineFeatures, StoredFeatures, feature_mode
-from llmc.draft.losses import eagle3_loss
+from llmc.draft.labels import NOT_LEARNED
+from llmc.draft.losses import eagle3_loss, unrolled
 from llmc.errors import LlmcError
 from llmc.pipeline import run_quantize
 from llmc.recipe import load_recipe
@@ -82,6 +83,31 @@ def test_eagle3_loss_is_the_cross_entropy_against_the_target_distribution():
     torch.testing.assert_close(loss, expected)
     # a draft whose logits equal the target's reaches the target's entropy, the least possible
     assert loss > -(torch.softmax(target_hidden @ lm_head.T, -1) * torch.log_softmax(target_hidden @ lm_head.T, -1)).sum(-1).mean()
+
+
+def test_whole_sequences_train_on_their_answers_and_padding_changes_no_row():
+    """EAGLE-3 trains on whole sequences (prompt and answer) of different lengths, padded into one batch: every
+    drafting step's output at a real row equals that of the sequence drafted alone, and only answer tokens are labelled."""
+    config = eagle3_config(LlamaConfig(hidden_size=16, intermediate_size=32, num_attention_heads=2, num_key_value_heads=1,
+                                       num_hidden_layers=4, vocab_size=40), [0, 2, 4], draft_vocab_size=40)
+    torch.manual_seed(0)
+    draft, embeddings, to_vocab, unroll = Eagle3Draft(config), torch.randn(40, 16), torch.arange(40), 3
+    sequences = []
+    for length, answer_start in [(9, 4), (14, 6)]:
+        ids = torch.randint(40, (length,))
+        rows = sequence_rows(ids, answer_start, torch.randn(length, 16), torch.randn(length, 48), embeddings, to_vocab, unroll)
+        assert [len(part) for part in rows] == [length - unroll - 1] + [length - 2] * 3
+        labels = rows[-1]  # row t at step s guesses token t + s + 2
+        assert (labels[: answer_start - 2] == NOT_LEARNED).all() and torch.equal(labels[answer_start - 2 :], ids[answer_start:])
+        sequences.append(rows)
+    aux, embedded, positions, _, labels = padded_batch(sequences)
+    assert aux.shape[:2] == (2, 10) and (labels[0, 7:] == NOT_LEARNED).all()
+    with torch.no_grad():
+        together = unrolled(draft, draft.combine(aux), embedded, positions, unroll)
+        for index, (aux_one, embedded_one, *_) in enumerate(sequences):
+            alone = unrolled(draft, draft.combine(aux_one[None]), embedded_one[None], torch.arange(len(aux_one))[None], unroll)
+            for step_together, step_alone in zip(together, alone):
+                torch.testing.assert_close(step_together[index, : len(aux_one)], step_alone[0])
 
 
 @pytest.mark.parametrize("tree_nodes", [0, 6], ids=["chain", "tree"])

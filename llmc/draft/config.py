@@ -23,7 +23,9 @@ class DraftConfig(StrictModel):
     num_prompts: int | None = Field(None, gt=0)  # at most this many prompts of each file; None: all of them
     max_tokens: int = Field(128, gt=0)  # answer length generated per prompt
     steps: int | None = Field(None, gt=0)  # default: STEPS of the method
-    batch_size: int | None = Field(None, gt=0)  # rows (tokens) per step, default 128; EAGLE: windows of 128 tokens, default 512
+    # rows (tokens) per step, default 128; EAGLE: windows of 128 tokens, default 512; EAGLE-3: a whole sequence per
+    # 128 of them (answers are 128 tokens by default)
+    batch_size: int | None = Field(None, gt=0)
     lr: float = Field(1e-3, gt=0)
     unroll: int = Field(3, gt=0, le=8)  # EAGLE: drafting steps unrolled in training, each fed the previous one's guess
     # EAGLE-3: the target layers whose entering residual stream the draft fuses (0: the embeddings, num_layers: the

@@ -1,9 +1,9 @@
 """Where EAGLE-3 training reads the target's features (final hidden states and the aux layers' residual stream) for
-its windows: stored by the distillation beside the answers, or computed again while training by the engine's prefill
-over each window's answer (SpecForge's online mode). Stored features take 8 bytes per hidden unit and token on disk
+its sequences: stored by the distillation beside the answers, or computed again while training by the engine's
+prefill over each sequence (SpecForge's online mode). Stored features take 8 bytes per hidden unit and token on disk
 and 10 in memory, which an 8B model's hidden size turns into more than a GPU machine's disk holds (README, Draft
-heads); online, the answers' token ids are all that is kept and every step runs the target over its windows'
-answers: cheap on a GPU, a few times the draft's own step on a CPU. `draft.features: auto` reads them online on a
+heads); online, the answers' token ids are all that is kept and every step runs the target over its
+sequences: cheap on a GPU, a few times the draft's own step on a CPU. `draft.features: auto` reads them online on a
 GPU and stored on a CPU."""
 import shutil
 from dataclasses import dataclass
@@ -44,30 +44,30 @@ def feature_bytes_per_token(hidden_size: int, num_aux_layers: int) -> tuple[int,
 def stored_feature_bytes(artifact: Path, config: DraftConfig, aux_layers: list[int]) -> tuple[int, int]:
     """(disk, memory) the features of every prompt file take: those cached as stored, those to distil counted from
     their prompts' tokens plus a whole answer each (an upper bound: answers may end sooner). Disk counts the new sets,
-    the largest twice: each is written whole beside its parts before they go."""
+    the largest twice: each is written whole beside its parts before they go; for a model not yet quantized, 0: which
+    sets the artifact will find cached is not known yet, so only the memory can be checked."""
     hf = AutoConfig.from_pretrained(artifact)
     tokenizer = AutoTokenizer.from_pretrained(artifact)
     disk_per_token, memory_per_token = feature_bytes_per_token(hf.hidden_size, len(aux_layers))
     lm_head = hf.vocab_size * hf.hidden_size * 2  # stored with each set in bfloat16, held once in float32
+    is_artifact = (artifact / MANIFEST).is_file()
     new_tokens, cached_tokens = [], 0  # per set to distil; in the sets cached
     for file in map(Path, config.prompts):
-        cached = distill_cache_path(artifact, file, config.num_prompts, config.max_tokens, tuple(aux_layers)) if (
-            artifact / MANIFEST).is_file() else None  # a model not yet quantized: nothing of it is cached
+        cached = distill_cache_path(artifact, file, config.num_prompts, config.max_tokens, tuple(aux_layers)) if is_artifact else None
         if cached is not None and cached.is_file():
             cached_tokens += (cached.stat().st_size - lm_head) // disk_per_token
             continue
         prompts = distinct_prompts(file, config.num_prompts or len(read_prompt_texts(file)), tokenizer)
         new_tokens.append(sum(len(ids) + config.max_tokens for ids in tokenizer(prompts, add_special_tokens=False)["input_ids"]))
     new_sets = [tokens * disk_per_token + lm_head for tokens in new_tokens]
-    return sum(new_sets) + max(new_sets, default=0), (sum(new_tokens) + cached_tokens) * memory_per_token + 2 * lm_head
+    disk = sum(new_sets) + max(new_sets, default=0) if is_artifact else 0
+    return disk, (sum(new_tokens) + cached_tokens) * memory_per_token + 2 * lm_head
 
 
 def check_stored_features_fit(artifact: Path, config: DraftConfig, aux_layers: list[int]) -> None:
-    """Before any distillation: stored features must fit the disk under LLMC_HOME and host memory; before the artifact
-    exists (a model folder), memory alone, as the disk they need depends on what the cache holds for the artifact."""
+    """Before any distillation: stored features must fit the disk under LLMC_HOME and host memory (before the artifact
+    exists, memory alone: stored_feature_bytes)."""
     disk, memory = stored_feature_bytes(artifact, config, aux_layers)
-    if not (artifact / MANIFEST).is_file():
-        disk = 0
     home = llmc_home()
     disk_free = shutil.disk_usage(next(parent for parent in [home, *home.parents] if parent.exists())).free
     memory_free = available_host_bytes()

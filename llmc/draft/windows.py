@@ -1,6 +1,6 @@
-"""Training windows over self-distilled answers, drawn the same way for EAGLE and EAGLE-3: `window_len` rows that
-start anywhere from a quarter window before the answer, the unroll - 1 tokens past them that the deeper drafting
-steps need, and a label on every answer token the window's rows guess."""
+"""Training windows over self-distilled answers for EAGLE: `window_len` rows that start anywhere from a quarter window
+before the answer, the unroll - 1 tokens past them that the deeper drafting steps need, and a label on every answer
+token the window's rows guess. EAGLE-3 trains on whole sequences, drawn and scored by the same sampler."""
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -40,14 +40,14 @@ class WindowSampler:
 
     def top1_per_step(self, guess_batch: Callable[[], tuple[list[torch.Tensor], torch.Tensor]], num_batches: int) -> list[float]:
         """Per drafting step, the share of answer tokens the draft ranks first over num_batches batches; guess_batch
-        returns each step's guesses [batch, window_len] as draft-vocabulary indices and the batch's labels (a token
+        returns each step's guesses [batch, rows] as draft-vocabulary indices and the batch's labels (a token
         outside the draft vocabulary counts as missed)."""
         hits, counted = torch.zeros(self.unroll), torch.zeros(self.unroll)
         with torch.no_grad():
             for _ in range(num_batches):
                 guesses, labels = guess_batch()
                 for step, guess in enumerate(guesses):
-                    step_labels = labels[:, step : step + self.window_len]
+                    step_labels = labels[:, step : step + guess.shape[1]]
                     answer = step_labels != NOT_LEARNED
                     hits[step] += (guess == step_labels)[answer].sum().cpu()
                     counted[step] += answer.sum().cpu()
