@@ -34,8 +34,9 @@ def sequence_rows(ids: torch.Tensor, answer_start: int, hidden: torch.Tensor, au
 def padded_batch(sequences: list[tuple[torch.Tensor, ...]]) -> tuple[torch.Tensor, ...]:
     """sequence_rows of several sequences stacked as (aux, embeddings, positions, target states, labels), each padded
     at its end: causal attention keeps the padding out of every real row, and its labels learn nothing."""
-    aux, embedded, target_hidden = (pad_sequence(list(group), batch_first=True) for group in list(zip(*sequences))[:3])
-    labels = pad_sequence([labels for *_, labels in sequences], batch_first=True, padding_value=NOT_LEARNED)
+    *features, labels = zip(*sequences)
+    aux, embedded, target_hidden = (pad_sequence(list(group), batch_first=True) for group in features)
+    labels = pad_sequence(list(labels), batch_first=True, padding_value=NOT_LEARNED)
     return aux, embedded, torch.arange(aux.shape[1]).expand(len(sequences), -1), target_hidden, labels
 
 
