@@ -63,7 +63,7 @@ def train_eagle3(data: DistillSet, features: FeatureSource, config: DraftConfig,
     def batch(pool: list) -> list[torch.Tensor]:
         """sampler.num_windows whole sequences' padded_batch, on device."""
         picks = sampler.pick(pool)
-        read = features([(index, len(ids)) for ids, index, _ in picks])
+        read = features([index for _, index, _ in picks])
         sequences = [sequence_rows(ids, answer_start, hidden, aux, embeddings, to_vocab, unroll)
                      for (ids, _, answer_start), (hidden, aux) in zip(picks, read)]
         return [part.to(device) for part in padded_batch(sequences)]

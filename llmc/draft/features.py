@@ -81,17 +81,17 @@ def check_stored_features_fit(artifact: Path, config: DraftConfig, aux_layers: l
 
 
 class FeatureSource(Protocol):
-    def __call__(self, picks: list[tuple[int, int]]) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """picks: (answer index, tokens needed from its start). Per pick, the final hidden states [>= tokens, hidden]
-        float32 and aux features [>= tokens, layers * hidden] bfloat16 of the answer's first tokens."""
+    def __call__(self, indices: list[int]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Per answer index, the final hidden states [>= its tokens - 1, hidden] float32 and aux features [same rows,
+        layers * hidden] bfloat16 of its whole sequence."""
 
 
 @dataclass(slots=True)
 class StoredFeatures:
     data: DistillSet  # distilled with its features
 
-    def __call__(self, picks: list[tuple[int, int]]) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        return [(self.data.hidden[index], self.data.aux[index]) for index, _ in picks]
+    def __call__(self, indices: list[int]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        return [(self.data.hidden[index], self.data.aux[index]) for index in indices]
 
 
 @dataclass(slots=True)
@@ -99,8 +99,8 @@ class OnlineFeatures:
     engine: LLMEngine  # distill_engine with the draft's aux layers
     token_ids: list[list[int]]  # the answers (prompt + answer)
 
-    def __call__(self, picks: list[tuple[int, int]]) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        seqs = [self.engine.add_request(self.token_ids[index][:tokens], PREFILL_ONLY) for index, tokens in picks]
+    def __call__(self, indices: list[int]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        seqs = [self.engine.add_request(self.token_ids[index], PREFILL_ONLY) for index in indices]
         while self.engine.has_unfinished():
             self.engine.step()
         return list(map(sequence_features, seqs))
