@@ -14,11 +14,12 @@ from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig
 from llmc.draft.build import eagle3_aux_layers, save_eagle3
 from llmc.draft.config import DraftConfig
 from llmc.draft.data import distill_engine, load_distill_set, save_distill_set, self_distill
-from llmc.draft.eagle3 import padded_batch, sequence_rows, train_eagle3
+from llmc.draft.eagle3 import train_eagle3
 from llmc.draft.export import VLLM_DIR, export_for_vllm
 from llmc.draft.features import OnlineFeatures, StoredFeatures, feature_mode
 from llmc.draft.labels import NOT_LEARNED
 from llmc.draft.losses import eagle3_loss, unrolled
+from llmc.draft.sequences import SequenceBatch, padded_batch, sequence_rows
 from llmc.errors import LlmcError
 from llmc.pipeline import run_quantize
 from llmc.recipe import load_recipe
@@ -76,8 +77,10 @@ def test_eagle3_loss_is_the_cross_entropy_against_the_target_distribution():
     draft = Eagle3Draft(config)
     lm_head = torch.randn(10, 16)
     aux, embeddings, target_hidden = torch.randn(1, 5, 48), torch.randn(1, 5, 16), torch.randn(1, 5, 16)
-    valid = torch.ones(1, 5, dtype=torch.bool)
-    loss = eagle3_loss(draft, aux, embeddings, torch.arange(5)[None], target_hidden, valid, lm_head, unroll=1)
+    every_row = torch.arange(5)[None]
+    every = torch.ones(1, 5, dtype=torch.bool)
+    batch = SequenceBatch(aux, embeddings, every_row, target_hidden, torch.zeros(1, 5, dtype=torch.long), every, every_row, every)
+    loss = eagle3_loss(draft, batch, lm_head, unroll=1)
     out, _, _ = draft(draft.combine(aux), embeddings, torch.arange(5)[None], torch.ones(5, 5, dtype=torch.bool).tril())
     expected = -(torch.softmax(target_hidden @ lm_head.T, -1) * draft.logits(out).log_softmax(-1)).sum(-1).mean()
     torch.testing.assert_close(loss, expected)
@@ -86,28 +89,39 @@ def test_eagle3_loss_is_the_cross_entropy_against_the_target_distribution():
 
 
 def test_whole_sequences_train_on_their_answers_and_padding_changes_no_row():
-    """EAGLE-3 trains on whole sequences (prompt and answer) of different lengths, padded into one batch: every
-    drafting step's output at a real row equals that of the sequence drafted alone, and only answer tokens are labelled."""
+    """EAGLE-3 trains on whole sequences (prompt and answer) of different lengths, padded into one batch, the steps past
+    the first drafting only the rows that reach the answer: every drafting step's output at a drafted row equals that
+    of the sequence drafted alone at every row, only answer tokens are labelled, and the loss is that of drafting
+    every row at every step."""
     config = eagle3_config(LlamaConfig(hidden_size=16, intermediate_size=32, num_attention_heads=2, num_key_value_heads=1,
                                        num_hidden_layers=4, vocab_size=40), [0, 2, 4], draft_vocab_size=40)
     torch.manual_seed(0)
     draft, embeddings, to_vocab, unroll = Eagle3Draft(config), torch.randn(40, 16), torch.arange(40), 3
     sequences = []
-    for length, answer_start in [(9, 4), (14, 6)]:
+    for length, answer_start in [(9, 4), (14, 8)]:
         ids = torch.randint(40, (length,))
         rows = sequence_rows(ids, answer_start, torch.randn(length, 16), torch.randn(length, 48), embeddings, to_vocab, unroll)
-        assert [len(part) for part in rows] == [length - unroll - 1] + [length - 2] * 3
-        labels = rows[-1]  # row t at step s guesses token t + s + 2
+        assert [len(part) for part in rows[:4]] == [length - unroll - 1] + [length - 2] * 3
+        labels, deep_rows = rows[-2:]  # row t at step s guesses token t + s + 2
         assert (labels[: answer_start - 2] == NOT_LEARNED).all() and torch.equal(labels[answer_start - 2 :], ids[answer_start:])
+        # the deeper steps start at the first row whose last step guesses an answer token
+        assert torch.equal(deep_rows, torch.arange(max(0, answer_start - unroll - 1), length - unroll - 1))
         sequences.append(rows)
-    aux, embedded, positions, _, labels = padded_batch(sequences)
-    assert aux.shape[:2] == (2, 10) and (labels[0, 7:] == NOT_LEARNED).all()
+    batch = padded_batch(sequences)
+    assert batch.aux.shape[:2] == (2, 10) and (batch.labels[0, 7:] == NOT_LEARNED).all()
+    assert batch.deep_rows.shape == (2, 6) and batch.deep_real.tolist() == [[True] * 5 + [False], [True] * 6]
+    # the padding rows' shifted labels would be the first sequence's last tokens: none is learned at any step
+    assert all((batch.step_labels(step)[0, 5:] == NOT_LEARNED).all() for step in range(unroll))
     with torch.no_grad():
-        together = unrolled(draft, draft.combine(aux), embedded, positions, unroll)
-        for index, (aux_one, embedded_one, *_) in enumerate(sequences):
+        together = unrolled(draft, draft.combine(batch.aux), batch.embedded, batch.positions, unroll, batch.deep_rows)
+        for index, (aux_one, embedded_one, _, _, deep_one) in enumerate(sequences):
             alone = unrolled(draft, draft.combine(aux_one[None]), embedded_one[None], torch.arange(len(aux_one))[None], unroll)
-            for step_together, step_alone in zip(together, alone):
-                torch.testing.assert_close(step_together[index, : len(aux_one)], step_alone[0])
+            torch.testing.assert_close(together[0][index, : len(aux_one)], alone[0][0])
+            for step in range(1, unroll):
+                torch.testing.assert_close(together[step][index, : len(deep_one)], alone[step][0, deep_one])
+        lm_head = torch.randn(40, 16)
+        every_row = replace(batch, deep_rows=batch.positions, deep_real=batch.real_rows)
+        torch.testing.assert_close(eagle3_loss(draft, batch, lm_head, unroll), eagle3_loss(draft, every_row, lm_head, unroll))
 
 
 @pytest.mark.parametrize("tree_nodes", [0, 6], ids=["chain", "tree"])

@@ -213,11 +213,11 @@ def train_eagle(data: DistillSet, config: DraftConfig, folder: Path, artifact: P
     def loss_fn(step: int) -> torch.Tensor:
         return eagle_loss(draft, *sampler.batch(training, window, device), lm_head, noise_scale, unroll)
 
-    def guesses(pool: list) -> tuple[list[torch.Tensor], torch.Tensor]:
-        """Each unrolled step's guesses, drafting from the target's features."""
+    def guesses(pool: list) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Each unrolled step's guesses, drafting from the target's features, and their labels."""
         features, embedded, positions, labels = sampler.batch(pool, window, device)
         steps = unrolled(draft, features[:, :window_len], embedded, positions, unroll)
-        return [(predicted @ lm_head.T).argmax(-1) for predicted in steps], labels
+        return [((predicted @ lm_head.T).argmax(-1), labels[:, step : step + window_len]) for step, predicted in enumerate(steps)]
 
     train_config = TrainConfig(steps=config.steps, lr=config.lr, seed=config.seed)
     losses = train(draft, loss_fn, train_config, folder, "eagle draft", device)

@@ -5,6 +5,7 @@ import torch
 import torch.nn.functional as F
 
 from llmc.draft.labels import NOT_LEARNED
+from llmc.draft.sequences import SequenceBatch
 from llmc.runtime.speculative.eagle import EagleDraft
 from llmc.runtime.speculative.eagle3 import Eagle3Draft
 from llmc.runtime.speculative.medusa import MedusaHeads
@@ -29,23 +30,38 @@ def medusa_loss(heads: MedusaHeads, hidden: torch.Tensor, labels: torch.Tensor) 
 
 
 def unrolled(
-    draft: EagleDraft | Eagle3Draft, features: torch.Tensor, embeddings: torch.Tensor, positions: torch.Tensor, unroll: int
+    draft: EagleDraft | Eagle3Draft, features: torch.Tensor, embeddings: torch.Tensor, positions: torch.Tensor, unroll: int,
+    deep_rows: torch.Tensor | None = None,
 ) -> list[torch.Tensor]:
     """Windows of `tokens` pairs drafted `unroll` steps deep as in serving (EAGLE-3's training-time test): step
     s > 0 feeds the features step s - 1 predicted back in with the tokens after them, attending to the true
     pairs before it and to its own chain of guesses. features [batch, tokens, hidden], embeddings [batch,
-    tokens + unroll - 1, hidden] of the token after each feature, positions [batch, tokens] of the pairs.
-    Returns each step's predicted features [batch, tokens, hidden]: step s at row i guesses feature i + s + 1."""
-    tokens = positions.shape[1]
+    tokens + unroll - 1, hidden] of the token after each feature, positions [batch, tokens] of the pairs; deep_rows
+    [batch, rows]: the rows the steps past the first draft (None: every row). Returns each step's predicted features
+    [batch, tokens or rows, hidden]: step s at row i guesses feature i + s + 1."""
+    batch, tokens = positions.shape
     causal = torch.ones(tokens, tokens, dtype=torch.bool, device=features.device).tril()
-    own_chain = torch.eye(tokens, dtype=torch.bool, device=features.device)
     inputs, past, steps = features, None, []
     for step in range(unroll):
-        mask = torch.cat([causal] + [own_chain] * step, 1)
-        inputs, keys, values = draft(inputs, embeddings[:, step : step + tokens], positions + step, mask, past)
+        if step == 0 or deep_rows is None:
+            own_chain = torch.eye(tokens, dtype=torch.bool, device=features.device)
+            mask = torch.cat([causal] + [own_chain] * step, 1)
+            embedded, at = embeddings[:, step : step + tokens], positions + step
+        else:
+            if step == 1:
+                inputs = gathered_rows(inputs, deep_rows)
+            own_chain = torch.eye(deep_rows.shape[1], dtype=torch.bool, device=features.device).expand(batch, -1, -1)
+            mask = torch.cat([causal[deep_rows]] + [own_chain] * step, -1)[:, None]  # per sequence: [batch, 1, rows, keys]
+            embedded, at = gathered_rows(embeddings, deep_rows + step), positions.gather(1, deep_rows) + step
+        inputs, keys, values = draft(inputs, embedded, at, mask, past)
         past = (keys, values) if past is None else (torch.cat([past[0], keys], 1), torch.cat([past[1], values], 1))
         steps.append(inputs)
     return steps
+
+
+def gathered_rows(tensor: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """tensor [batch, tokens, hidden] at rows [batch, n] -> [batch, n, hidden]."""
+    return tensor.gather(1, rows[..., None].expand(-1, -1, tensor.shape[-1]))
 
 
 def eagle_loss(draft: EagleDraft, features: torch.Tensor, embeddings: torch.Tensor, positions: torch.Tensor, labels: torch.Tensor,
@@ -67,20 +83,17 @@ def eagle_loss(draft: EagleDraft, features: torch.Tensor, embeddings: torch.Tens
     return total / unroll
 
 
-def eagle3_loss(draft: Eagle3Draft, aux: torch.Tensor, embeddings: torch.Tensor, positions: torch.Tensor,
-                target_hidden: torch.Tensor, valid: torch.Tensor, lm_head: torch.Tensor, unroll: int) -> torch.Tensor:
-    """`unrolled` from the fused target features, each step's cross-entropy against the target's own next-token
-    distribution over the draft vocabulary (soft labels: the target's logits carry more than its greedy token),
-    step s weighted LOSS_DECAY ** s. aux [batch, tokens, layers * hidden], target_hidden [batch, tokens + unroll - 1,
-    hidden] the target's final states one position on (whose logits rank the token each step guesses), valid
-    [batch, tokens + unroll - 1] where that token is an answer token the draft can guess, lm_head [vocab, hidden]
-    the target's rows of the draft vocabulary."""
-    tokens = positions.shape[1]
-    total, weights = aux.new_zeros((), dtype=torch.float32), 0.0
-    for step, predicted in enumerate(unrolled(draft, draft.combine(aux), embeddings, positions, unroll)):
-        rows = valid[:, step : step + tokens]
+def eagle3_loss(draft: Eagle3Draft, batch: SequenceBatch, lm_head: torch.Tensor, unroll: int) -> torch.Tensor:
+    """`unrolled` from the fused target features over the batch's rows (deep_rows past the first step), each step's
+    cross-entropy against the target's own next-token distribution over the draft vocabulary (soft labels: the
+    target's logits carry more than its greedy token) on the rows whose guess is an answer token the draft can
+    guess, step s weighted LOSS_DECAY ** s. lm_head [vocab, hidden]: the target's rows of the draft vocabulary."""
+    total, weights = batch.aux.new_zeros((), dtype=torch.float32), 0.0
+    steps = unrolled(draft, draft.combine(batch.aux), batch.embedded, batch.positions, unroll, batch.deep_rows)
+    for step, predicted in enumerate(steps):
+        rows = batch.step_labels(step) >= 0
         with torch.no_grad():
-            target = (target_hidden[:, step : step + tokens][rows] @ lm_head.T).float().softmax(-1)
+            target = (batch.at_step(batch.target_hidden, step)[rows] @ lm_head.T).float().softmax(-1)
         log_probs = draft.logits(predicted[rows]).float().log_softmax(-1)
         total = total + LOSS_DECAY**step * -(target * log_probs).sum() / rows.sum().clamp(min=1)
         weights += LOSS_DECAY**step

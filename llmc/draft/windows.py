@@ -38,22 +38,20 @@ class WindowSampler:
         """num_windows answers drawn from pool, each cut by window(*answer), the parts stacked and moved to device."""
         return [torch.stack(parts).to(device) for parts in zip(*(window(*answer) for answer in self.pick(pool)))]
 
-    def top1_per_step(self, guess_batch: Callable[[], tuple[list[torch.Tensor], torch.Tensor]], num_batches: int) -> list[float]:
+    def top1_per_step(self, guess_batch: Callable[[], list[tuple[torch.Tensor, torch.Tensor]]], num_batches: int) -> list[float]:
         """Per drafting step, the share of answer tokens the draft ranks first over num_batches batches; guess_batch
-        returns each step's guesses [batch, rows] as draft-vocabulary indices and the batch's labels (a token
+        returns per step its guesses [batch, rows] as draft-vocabulary indices and the labels of those rows (a token
         outside the draft vocabulary counts as missed)."""
         hits, counted = torch.zeros(self.unroll), torch.zeros(self.unroll)
         with torch.no_grad():
             for _ in range(num_batches):
-                guesses, labels = guess_batch()
-                for step, guess in enumerate(guesses):
-                    step_labels = labels[:, step : step + guess.shape[1]]
-                    answer = step_labels != NOT_LEARNED
-                    hits[step] += (guess == step_labels)[answer].sum().cpu()
+                for step, (guess, labels) in enumerate(guess_batch()):
+                    answer = labels != NOT_LEARNED
+                    hits[step] += (guess == labels)[answer].sum().cpu()
                     counted[step] += answer.sum().cpu()
         return [round(value, 4) for value in (hits / counted.clamp(min=1)).tolist()]
 
-    def train_summary(self, steps: int, lr: float, losses: list[float], guesses: Callable[[list], tuple[list[torch.Tensor], torch.Tensor]],
+    def train_summary(self, steps: int, lr: float, losses: list[float], guesses: Callable[[list], list[tuple[torch.Tensor, torch.Tensor]]],
                       training: list, held_out: list) -> dict:
         """The `train` fields of an EAGLE or EAGLE-3 draft's summary: its settings, final loss and top-1 per drafting
         step on training and held-out windows (guesses(pool): as top1_per_step's guess_batch, drawing from pool)."""
