@@ -5,7 +5,7 @@ import torch
 import torch.nn.functional as F
 
 from llmc.draft.labels import NOT_LEARNED
-from llmc.draft.sequences import SequenceBatch
+from llmc.draft.sequences import SequenceBatch, gathered_rows
 from llmc.runtime.speculative.eagle import EagleDraft
 from llmc.runtime.speculative.eagle3 import Eagle3Draft
 from llmc.runtime.speculative.medusa import MedusaHeads
@@ -57,11 +57,6 @@ def unrolled(
         past = (keys, values) if past is None else (torch.cat([past[0], keys], 1), torch.cat([past[1], values], 1))
         steps.append(inputs)
     return steps
-
-
-def gathered_rows(tensor: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
-    """tensor [batch, tokens, hidden] at rows [batch, n] -> [batch, n, hidden]."""
-    return tensor.gather(1, rows[..., None].expand(-1, -1, tensor.shape[-1]))
 
 
 def eagle_loss(draft: EagleDraft, features: torch.Tensor, embeddings: torch.Tensor, positions: torch.Tensor, labels: torch.Tensor,

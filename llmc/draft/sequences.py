@@ -11,6 +11,11 @@ from torch.nn.utils.rnn import pad_sequence
 from llmc.draft.labels import NOT_LEARNED
 
 
+def gathered_rows(tensor: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """tensor [batch, tokens, hidden] at rows [batch, n] -> [batch, n, hidden]."""
+    return tensor.gather(1, rows[..., None].expand(-1, -1, tensor.shape[-1]))
+
+
 def sequence_rows(ids: torch.Tensor, answer_start: int, hidden: torch.Tensor, aux: torch.Tensor, embeddings: torch.Tensor,
                   to_vocab: torch.Tensor, unroll: int) -> tuple[torch.Tensor, ...]:
     """One whole sequence's training rows: the aux features of the rows that have unroll tokens after them, then the
@@ -42,8 +47,7 @@ class SequenceBatch:
         step: every row at the first step, deep_rows after it."""
         if step == 0:
             return tensor[:, : self.positions.shape[1]]
-        index = self.deep_rows + step
-        return tensor.gather(1, index[..., None].expand(-1, -1, tensor.shape[-1])) if tensor.dim() == 3 else tensor.gather(1, index)
+        return gathered_rows(tensor, self.deep_rows + step) if tensor.dim() == 3 else tensor.gather(1, self.deep_rows + step)
 
     def step_labels(self, step: int) -> torch.Tensor:
         """The labels of the rows drafting step `step` drafts (padding: NOT_LEARNED)."""
