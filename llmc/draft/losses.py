@@ -41,17 +41,18 @@ def unrolled(
     [batch, tokens or rows, hidden]: step s at row i guesses feature i + s + 1."""
     batch, tokens = positions.shape
     causal = torch.ones(tokens, tokens, dtype=torch.bool, device=features.device).tril()
+    own_chain = torch.eye(tokens if deep_rows is None else deep_rows.shape[1], dtype=torch.bool, device=features.device)
+    if deep_rows is not None:  # per sequence: the masks of the deeper steps are [batch, 1, rows, keys]
+        deep_causal, own_chain = causal[deep_rows], own_chain.expand(batch, -1, -1)
     inputs, past, steps = features, None, []
     for step in range(unroll):
         if step == 0 or deep_rows is None:
-            own_chain = torch.eye(tokens, dtype=torch.bool, device=features.device)
             mask = torch.cat([causal] + [own_chain] * step, 1)
             embedded, at = embeddings[:, step : step + tokens], positions + step
         else:
             if step == 1:
                 inputs = gathered_rows(inputs, deep_rows)
-            own_chain = torch.eye(deep_rows.shape[1], dtype=torch.bool, device=features.device).expand(batch, -1, -1)
-            mask = torch.cat([causal[deep_rows]] + [own_chain] * step, -1)[:, None]  # per sequence: [batch, 1, rows, keys]
+            mask = torch.cat([deep_causal] + [own_chain] * step, -1)[:, None]
             embedded, at = gathered_rows(embeddings, deep_rows + step), positions.gather(1, deep_rows) + step
         inputs, keys, values = draft(inputs, embedded, at, mask, past)
         past = (keys, values) if past is None else (torch.cat([past[0], keys], 1), torch.cat([past[1], values], 1))
