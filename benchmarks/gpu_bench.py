@@ -163,12 +163,19 @@ class Sizes:
     concurrency: int
 
 
-def build_engine(model: str, fmt: Format, sizes: Sizes, dtype: torch.dtype, device: str, enforce_eager: bool) -> LLMEngine:
-    config = LlamaConfig(**MODELS[model] | ({"num_hidden_layers": sizes.layers} if sizes.layers else {}))
+def model_config(model: str, sizes: Sizes) -> LlamaConfig:
+    return LlamaConfig(**MODELS[model] | ({"num_hidden_layers": sizes.layers} if sizes.layers else {}))
+
+
+def build_engine(model: str, fmt: Format, sizes: Sizes, dtype: torch.dtype, device: str, enforce_eager: bool,
+                 **settings) -> LLMEngine:
+    """An engine over random weights of model in fmt; settings: further EngineConfig fields (e.g. a draft)."""
+    config = model_config(model, sizes)
     context = sizes.prompt_len + sizes.new_tokens
     engine_config = EngineConfig(
         dtype=dtype, device=device, max_num_seqs=sizes.concurrency, max_model_len=context + 16, max_num_batched_tokens=2048,
         num_kv_blocks=sizes.concurrency * (cdiv(context, 16) + 1), enable_prefix_caching=False, enforce_eager=enforce_eager,
+        **settings,
     )
     torch.manual_seed(0)
     runner = ModelRunner(config, RandomWeights(config, fmt, dtype, device), engine_config)

@@ -3,16 +3,17 @@
 # decode, batch-1 decode tok/s with memory-bandwidth utilisation and throughput at concurrency 64 per weight format
 # (fp16, W4A16, W8A8, FP8) on random weights in Llama-3-8B's and SmolLM2-135M's shapes, the stages on CUDA against
 # the CPU (tests/test_device.py), and GPTQ W4A16 at Llama-3-8B's layer shapes on 128 x 2048 calibration tokens
-# (benchmarks/scale.py: s/layer, 32-layer time against llm-compressor's, peak device memory).
+# (benchmarks/scale.py: s/layer, 32-layer time against llm-compressor's, peak device memory), and an EAGLE-3 draft's
+# step costs at batch 1 in Llama-3-8B's shape combined with measured acceptances (benchmarks/speculative_gpu.py).
 # Needs torch, triton and transformers; each section runs under its own time limit and a failing one stops nothing.
-# SECTIONS picks some (default all: kernels graphs decode device scale), e.g. SECTIONS="device scale".
+# SECTIONS picks some (default all: kernels graphs decode device scale speculative), e.g. SECTIONS="device scale".
 #   benchmarks/gpu_check.sh [gpu_bench.py options, e.g. --formats W4A16 FP8]
 set -u -o pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" TOKENIZERS_PARALLELISM=false TRITON_DEFAULT_FP_FUSION=1
 PYTHON=${PYTHON:-python}
 status=0
-SECTIONS=${SECTIONS:-kernels graphs decode device scale}
+SECTIONS=${SECTIONS:-kernels graphs decode device scale speculative}
 want() { [[ " $SECTIONS " == *" $1 "* ]]; }
 
 echo "== environment"
@@ -43,6 +44,11 @@ fi
 if want scale; then
     echo "== GPTQ W4A16 at Llama-3-8B's layer shapes, 128 x 2048 tokens (benchmarks/scale.py)"
     timeout 300 $PYTHON benchmarks/scale.py --layers 3 --samples 128 --seq-len 2048 --only gptq --device cuda || status=1
+fi
+
+if want speculative; then
+    echo "== EAGLE-3 at batch 1 in Llama-3-8B's shape, W4A16: step costs and the speed-up they give (benchmarks/speculative_gpu.py)"
+    timeout 240 $PYTHON benchmarks/speculative_gpu.py || status=1
 fi
 
 exit $status

@@ -32,12 +32,16 @@ class ShapeRun:
     num_identical: int = 0
 
 
+def shape_settings(draft: Path, spec: str) -> dict:
+    """EngineConfig's fields for drafting every step with draft in the shape DEPTH:NODES:CONFIDENCE."""
+    depth, nodes, confidence = spec.split(":")
+    return dict(speculative=draft, adaptive_speculation=False, num_speculative_tokens=int(depth),
+                speculative_tree_nodes=int(nodes), speculative_min_confidence=float(confidence))
+
+
 def shape_config(draft: Path, spec: str, **settings) -> EngineConfig:
     """An engine drafting every step with draft in the shape DEPTH:NODES:CONFIDENCE, without prefix caching."""
-    depth, nodes, confidence = spec.split(":")
-    return EngineConfig(enable_prefix_caching=False, speculative=draft, adaptive_speculation=False,
-                        num_speculative_tokens=int(depth), speculative_tree_nodes=int(nodes),
-                        speculative_min_confidence=float(confidence), **settings)
+    return EngineConfig(enable_prefix_caching=False, **shape_settings(draft, spec), **settings)
 
 
 def shape_engine(artifact: str, draft: Path, spec: str) -> ShapeRun:
