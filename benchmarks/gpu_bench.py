@@ -22,6 +22,7 @@ from llmc.quant.qtypes import QuantArgs, QuantizedWeight
 from llmc.runtime.cdiv import cdiv
 from llmc.runtime.engine.config import EngineConfig
 from llmc.runtime.engine.model_runner import ModelRunner
+from llmc.runtime.engine.sequence import Sequence
 from llmc.runtime.layers.linear import build_linear
 from llmc.runtime.layers.linear_weight import LinearWeight
 from llmc.runtime.llm_engine import LLMEngine
@@ -187,17 +188,25 @@ def prompts(engine: LLMEngine, count: int, length: int) -> list[list[int]]:
     return torch.randint(0, engine.runner.hf_config.vocab_size, (count, length), generator=generator).tolist()
 
 
-def batch1_decode(engine: LLMEngine, sizes: Sizes) -> tuple[float, list[int]]:
-    """Tokens/s of the decode steps alone (the prefill step is left out) and the tokens, for comparisons."""
+def timed_decode(engine: LLMEngine, sizes: Sizes) -> tuple[float, int, Sequence]:
+    """One greedy request at batch 1 after a warm-up: the seconds and engine steps of its decode (the prefill step,
+    which emits the first token, left out), and the request."""
     params = SamplingParams(temperature=0, max_tokens=sizes.new_tokens, ignore_eos=True)
-    engine.generate(prompts(engine, 1, sizes.prompt_len), SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
+    # a warm-up long enough for drafts of full depth (benchmarks/speculative_gpu.py), so no first-use cost is timed
+    engine.generate(prompts(engine, 1, sizes.prompt_len), SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
     seq = engine.add_request(prompts(engine, 1, sizes.prompt_len)[0], params)
     engine.step()  # prefill and the first token
-    start = time.perf_counter()
+    num_steps, start = 0, time.perf_counter()
     while engine.has_unfinished():
         engine.step()
-    elapsed = time.perf_counter() - start
-    return (sizes.new_tokens - 1) / elapsed, seq.output_token_ids
+        num_steps += 1
+    return time.perf_counter() - start, num_steps, seq
+
+
+def batch1_decode(engine: LLMEngine, sizes: Sizes) -> tuple[float, list[int]]:
+    """Tokens/s of the decode steps alone and the tokens, for comparisons."""
+    seconds, _, seq = timed_decode(engine, sizes)
+    return (sizes.new_tokens - 1) / seconds, seq.output_token_ids
 
 
 def throughput(engine: LLMEngine, sizes: Sizes) -> float:

@@ -12,17 +12,15 @@ that at each --accepted L, and the L at which drafting breaks even and doubles t
 """
 import argparse
 import tempfile
-import time
 import traceback
 from pathlib import Path
 
 import torch
-from gpu_bench import FORMATS, MODELS, Sizes, build_engine, model_config, prompts
+from gpu_bench import FORMATS, MODELS, Sizes, build_engine, model_config, timed_decode
 from speculative_shapes import shape_settings
 from transformers import LlamaConfig
 
 from llmc.runtime.llm_engine import LLMEngine
-from llmc.runtime.sampling_params import SamplingParams
 from llmc.runtime.speculative.eagle3 import Eagle3Draft, default_aux_layers, eagle3_config
 from llmc.runtime.speculative.store import save_draft, save_heads
 
@@ -47,17 +45,9 @@ def random_eagle3_draft(target: LlamaConfig, draft_vocab_size: int, folder: Path
 
 
 def step_cost(engine: LLMEngine, sizes: Sizes) -> tuple[float, float]:
-    """(milliseconds per decode step, tokens per step) of one greedy request at batch 1, after a warm-up; the
-    prefill step is left out."""
-    engine.generate(prompts(engine, 1, sizes.prompt_len), SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
-    seq = engine.add_request(prompts(engine, 1, sizes.prompt_len)[0],
-                             SamplingParams(temperature=0, max_tokens=sizes.new_tokens, ignore_eos=True))
-    engine.step()
-    first, num_steps, start = seq.num_output_tokens, 0, time.perf_counter()
-    while engine.has_unfinished():
-        engine.step()
-        num_steps += 1
-    return 1000 * (time.perf_counter() - start) / num_steps, (seq.num_output_tokens - first) / num_steps
+    """(milliseconds per decode step, tokens per step) of one greedy request at batch 1 (gpu_bench.timed_decode)."""
+    seconds, num_steps, seq = timed_decode(engine, sizes)
+    return 1000 * seconds / num_steps, (seq.num_output_tokens - 1) / num_steps
 
 
 def measured_engines(model: str, fmt: str, sizes: Sizes, dtype: torch.dtype, device: str, shapes: list[str],
@@ -88,13 +78,13 @@ def print_table(costs: dict[str, tuple[float, float] | str], accepted: list[floa
             print(f"{name:18s} error: {cost}")
             continue
         ms, tokens = cost
-        if isinstance(plain, str) or not name.startswith("draft"):
-            print(f"{name:18s} {ms:8.2f} {tokens:11.2f}" + (f" {ms / plain[0]:8.2f}" if not isinstance(plain, str) else ""))
-            continue
-        ratio = ms / plain[0]
-        speedups = " / ".join(f"x{length / ratio:.2f}" for length in accepted)
-        print(f"{name:18s} {ms:8.2f} {tokens:11.2f} {ratio:8.2f} {ratio:6.2f} / {2 * ratio:5.2f}   {speedups}")
-
+        line = f"{name:18s} {ms:8.2f} {tokens:11.2f}"
+        if not isinstance(plain, str):
+            ratio = ms / plain[0]
+            line += f" {ratio:8.2f}"
+            if name.startswith("draft"):
+                line += f" {ratio:6.2f} / {2 * ratio:5.2f}   " + " / ".join(f"x{length / ratio:.2f}" for length in accepted)
+        print(line)
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
