@@ -18,7 +18,8 @@ import torch
 from speculative_shapes import shape_config
 from transformers import AutoConfig
 
-from llmc.draft.build import DRAFT_VOCAB_SIZE, eagle_shape
+from llmc.draft.build import eagle_shape
+from llmc.draft.vocabulary import DRAFT_VOCAB_SIZE
 from llmc.runtime.engine.config import EngineConfig
 from llmc.runtime.engine.model_runner import ModelRunner
 from llmc.runtime.llm_engine import LLMEngine
