@@ -12,7 +12,15 @@ from transformers import AutoTokenizer
 from llmc.runtime.engine.config import EngineConfig
 from llmc.runtime.llm_engine import LLMEngine
 from llmc.runtime.serving.async_engine import AsyncLLMEngine
-from llmc.runtime.serving.tool_calls import ToolCallStream, chat_prompt, parse_tool_calls
+from llmc.runtime.serving.tool_calls import (
+    NamedToolChoice,
+    ToolCallStream,
+    ToolDefinition,
+    call_text,
+    chat_prompt,
+    parse_tool_calls,
+    tool_grammar,
+)
 
 # small enough for the tiny model's 512-token context once rendered into the prompt
 WEATHER = {"type": "object", "properties": {"city": {"enum": ["Paris", "Rome"]}, "days": {"type": "integer", "minimum": 1,
@@ -60,6 +68,66 @@ def test_a_forced_tool_call_parses_and_validates_whole_and_streamed(server, tool
     whole = server.client.chat.completions.create(**args, temperature=0)
     assert [(c.function.name, c.function.arguments) for c in whole.choices[0].message.tool_calls] == \
         [(c.function.name, c.function.arguments) for c in streamed]
+    wait_until(lambda: idle(server))
+
+
+def tool_matcher(tokenizer, tool_choice, parallel_tool_calls: bool):
+    """The grammar matcher the engine would put on a request with these tools, built with xgrammar directly."""
+    import xgrammar
+
+    info = xgrammar.TokenizerInfo.from_huggingface(tokenizer, vocab_size=len(tokenizer), stop_token_ids=[tokenizer.eos_token_id])
+    tools = [ToolDefinition.model_validate(tool) for tool in TOOLS]
+    spec = tool_grammar(tools, tool_choice, parallel_tool_calls).spec
+    return xgrammar.GrammarMatcher(xgrammar.GrammarCompiler(info).compile_structural_tag(spec))
+
+
+def accepts(matcher, tokenizer, text: str) -> bool:
+    return all(matcher.accept_token(token) for token in tokenizer.encode(text, add_special_tokens=False))
+
+
+def allowed_next(matcher, tokenizer) -> set[str]:
+    import xgrammar
+
+    bitmask = xgrammar.allocate_token_bitmask(1, len(tokenizer))
+    matcher.fill_next_token_bitmask(bitmask, 0)
+    logits = torch.zeros(1, len(tokenizer))
+    xgrammar.apply_token_bitmask_inplace(logits, bitmask)
+    return set(tokenizer.convert_ids_to_tokens(torch.nonzero(logits[0] > float("-inf")).flatten().tolist()))
+
+
+@pytest.mark.parametrize("tool_choice, parallel_tool_calls", [
+    ("required", False), ({"type": "function", "function": {"name": "get_time"}}, False),
+    ({"type": "function", "function": {"name": "get_time"}}, True)], ids=["required", "named", "named-parallel"])
+def test_a_forced_single_call_grammar_ends_when_the_call_closes(model, tool_choice, parallel_tool_calls):
+    tokenizer = AutoTokenizer.from_pretrained(model)
+    choice = NamedToolChoice.model_validate(tool_choice) if isinstance(tool_choice, dict) else tool_choice
+    matcher = tool_matcher(tokenizer, choice, parallel_tool_calls)
+    assert accepts(matcher, tokenizer, call_text("get_time", {"zone": "UTC"}))
+    assert allowed_next(matcher, tokenizer) == {tokenizer.eos_token}  # no text after the call, no second call
+    assert matcher.accept_token(tokenizer.eos_token_id) and matcher.is_terminated()
+
+
+def test_required_with_parallel_calls_takes_calls_a_newline_apart_and_nothing_else(model):
+    tokenizer = AutoTokenizer.from_pretrained(model)
+    matcher = tool_matcher(tokenizer, "required", parallel_tool_calls=True)
+    assert not accepts(matcher, tokenizer, "Sure")  # no text before the first call
+    matcher.reset()
+    assert accepts(matcher, tokenizer, call_text("get_weather", {"city": "Rome", "days": 2}))
+    assert allowed_next(matcher, tokenizer) == {tokenizer.eos_token, tokenizer.convert_ids_to_tokens(tokenizer.encode("\n"))[0]}
+    assert accepts(matcher, tokenizer, "\n" + call_text("get_time", {"zone": "CET"}))
+    assert not accepts(matcher, tokenizer, " and more")
+    assert matcher.accept_token(tokenizer.eos_token_id) and matcher.is_terminated()
+
+
+@pytest.mark.parametrize("tool_choice", ["required", {"type": "function", "function": {"name": "get_weather"}}], ids=["required", "named"])
+def test_sampled_forced_calls_always_end_the_choice_with_tool_calls(server, tool_choice):
+    """Temperature 1 with parallel calls allowed (the default): every choice is calls alone, ended by the grammar."""
+    for seed in range(4):
+        response = server.client.chat.completions.create(model="tiny", messages=MESSAGES, tools=TOOLS, tool_choice=tool_choice,
+                                                         max_tokens=400, temperature=1.0, seed=seed, n=4)
+        for choice in response.choices:
+            assert choice.finish_reason == "tool_calls" and not choice.message.content, choice
+            assert_valid_calls(choice.message.tool_calls)
     wait_until(lambda: idle(server))
 
 

@@ -5,11 +5,14 @@ grammar machinery as response_format), and the calls are parsed out of the text,
 import json
 import re
 import uuid
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from llmc.runtime.structured_output import StructuredOutput
+
+if TYPE_CHECKING:
+    from xgrammar.structural_tag import StructuralTag, TagFormat
 
 CALL_OPEN, CALL_CLOSE = "<tool_call>", "</tool_call>"
 CALL = re.compile(re.escape(CALL_OPEN) + r"\s*(.*?)\s*" + re.escape(CALL_CLOSE), re.DOTALL)
@@ -48,15 +51,28 @@ ToolChoice = Literal["none", "auto", "required"] | NamedToolChoice
 
 
 def tool_grammar(tools: list[ToolDefinition], tool_choice: ToolChoice, parallel_tool_calls: bool) -> StructuredOutput:
-    """auto: free text, and any tool call in it well-formed for one of the tools; required: at least one call; a named
-    function: exactly one call of it."""
+    """auto: free text, and any tool call in it well-formed for one of the tools; required: the calls alone, one or
+    (with parallel calls) more; a named function: exactly one call of it. A forced call's grammar ends when the call
+    closes, so the choice finishes with tool_calls, sampled or greedy."""
     from llmc.runtime.engine.grammar import import_xgrammar
 
+    xgrammar = import_xgrammar()
     choice = tool_choice.model_dump() if isinstance(tool_choice, NamedToolChoice) else tool_choice
-    tag = import_xgrammar().get_model_structural_tag(XGRAMMAR_FORMAT, tools=[tool.model_dump(exclude_none=True) for tool in tools],
-                                                     tool_choice=choice, reasoning=False, parallel_tool_calls=parallel_tool_calls,
-                                                     max_whitespace_cnt=MAX_WHITESPACE)
+    tag = xgrammar.get_model_structural_tag(XGRAMMAR_FORMAT, tools=[tool.model_dump(exclude_none=True) for tool in tools],
+                                            tool_choice=choice, reasoning=False, parallel_tool_calls=parallel_tool_calls,
+                                            max_whitespace_cnt=MAX_WHITESPACE)
+    if tool_choice == "required":
+        tag = calls_only(tag.format.tags, parallel_tool_calls)
     return StructuredOutput("structural_tag", tag.model_dump_json(), field="tools")
+
+
+def calls_only(call_tags: list["TagFormat"], parallel_tool_calls: bool) -> "StructuralTag":
+    """The structural tag for nothing but calls (each one of call_tags), a newline between two. xgrammar's own
+    required mode is triggered tags, which allow free text after the calls: a sampled model wrote on to max_tokens."""
+    from xgrammar.structural_tag import StructuralTag, TagsWithSeparatorFormat
+
+    return StructuralTag(format=TagsWithSeparatorFormat(tags=call_tags, separator="\n", at_least_one=True,
+                                                        stop_after_first=not parallel_tool_calls))
 
 
 def call_text(name: str, arguments: dict) -> str:
