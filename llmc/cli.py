@@ -111,6 +111,8 @@ def quantize(recipe: Path, output: str | None, overrides: tuple[str, ...], overw
               type=click.IntRange(min=1))
 @click.option("--business", metavar="FILE", help="Business eval set (JSONL).")
 @click.option("--tasks", metavar="NAMES", help="lm-eval tasks, comma-separated: names or task YAML files.")
+@click.option("--allow-task-code", is_flag=True,
+              help="Let a task YAML's `!function` tags run the Python files they name (refused by default).")
 @click.option("--limit", type=click.IntRange(min=1), help="Only the first N business items and task documents.")
 @click.option("--gate", "gate", multiple=True, metavar="KEY=VALUE",
               help="Threshold, e.g. min_recovery=0.95, max_perplexity_increase=0.05, max_kl=0.1, min_agreement=0.8.")
@@ -128,9 +130,9 @@ def quantize(recipe: Path, output: str | None, overrides: tuple[str, ...], overw
 @DEVICE_OPTION
 @with_options(SPECULATIVE_SHAPE_OPTIONS)
 def evaluate(targets: tuple[str, ...], perplexity_data: str | None, seq_len: int, max_windows: int, business: str | None,
-             tasks: str | None, limit: int | None, gate: tuple[str, ...], out: Path | None, speculative: str | None,
-             prompts_file: Path | None, num_prompts: int, max_tokens: int, concurrency: int, histogram: Path | None,
-             vllm: str | None, as_json: bool, device: str, **shape) -> None:
+             tasks: str | None, allow_task_code: bool, limit: int | None, gate: tuple[str, ...], out: Path | None,
+             speculative: str | None, prompts_file: Path | None, num_prompts: int, max_tokens: int, concurrency: int,
+             histogram: Path | None, vllm: str | None, as_json: bool, device: str, **shape) -> None:
     """Evaluate TARGETS (model specs or artifacts) side by side; the first is the baseline."""
     if speculative is not None:
         from llmc.evals.gate import check_accepted_length
@@ -150,7 +152,7 @@ def evaluate(targets: tuple[str, ...], perplexity_data: str | None, seq_len: int
     from llmc.evals.config import options_eval_config
     from llmc.evals.inputs import load_eval_inputs
 
-    config = options_eval_config(perplexity_data, seq_len, max_windows, business, tasks, limit, list(gate))
+    config = options_eval_config(perplexity_data, seq_len, max_windows, business, tasks, limit, list(gate), allow_task_code)
     eval_device = chosen_device(device)
     inputs = load_eval_inputs(config)  # before the models' imports: a missing input fails fast
     from llmc.evals.gate import require_gate_passed

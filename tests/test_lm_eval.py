@@ -1,5 +1,6 @@
 """lm-evaluation-harness offline: the llmc model wrapper on the shipped local task and on a user's task YAML."""
 import json
+import re
 
 import pytest
 from conftest import llmc_serve, write_recipe
@@ -7,19 +8,21 @@ from lm_eval import simple_evaluate
 from test_cli import llmc
 
 from llmc.errors import LlmcError
+from llmc.evals.config import options_eval_config
 from llmc.evals.lm_eval_model import resolve_tasks, run_lm_eval
 from llmc.evals.loading import load_model
+from llmc.inputs import resolve_eval_and_draft_inputs
 from llmc.pipeline import run_quantize
 from llmc.recipe import load_recipe
 
 
-def user_task(tmp_path):
+def user_task(tmp_path, name: str = "my_local_task", extra: str = ""):
     data = tmp_path / "capitals.jsonl"
     data.write_text("".join(json.dumps({"q": q, "options": ["fox", "dog"], "gold": g}) + "\n"
                             for q, g in [("quick brown", 0), ("lazy", 1), ("the quick", 0)]))
-    task = tmp_path / "my_task.yaml"
-    task.write_text(f"""task: my_local_task
-dataset_path: json
+    task = tmp_path / f"{name}.yaml"
+    task.write_text(f"""task: {name}
+{extra}dataset_path: json
 dataset_kwargs:
   data_files: {{test: {data}}}
 test_split: test
@@ -39,6 +42,68 @@ def test_wrapper_runs_the_shipped_task_and_a_user_yaml_offline(tmp_path, tiny_ll
     for metrics in results.values():
         assert 0.0 <= metrics["acc"]["value"] <= 1.0 and metrics["acc"]["higher_is_better"] is True
     assert "acc_norm" in results["llmc_customer_service_mc"]
+
+
+def task_with_code(folder):
+    """A task YAML whose process_docs is a function in helpers.py beside it; importing helpers leaves a marker file."""
+    (folder / "helpers.py").write_text("from pathlib import Path\n\nPath(__file__).with_name('helpers-imported').touch()\n\n\n"
+                                       "def first_two(dataset):\n    return dataset.select(range(2))\n")
+    return user_task(folder, "coded_task", extra="process_docs: !function helpers.first_two\n")
+
+
+def test_a_task_yaml_that_runs_code_is_refused_without_the_flag_and_runs_with_it(tmp_path, tiny_llama):
+    task = task_with_code(tmp_path)
+    with pytest.raises(LlmcError, match=rf"{re.escape(str(task))}, line 2: `!function helpers.first_two` .* --allow-task-code"):
+        resolve_tasks([str(task)])
+    assert not (tmp_path / "helpers-imported").exists()
+    resolved = resolve_tasks([str(task)], allow_code=True)
+    results = run_lm_eval(load_model(str(tiny_llama)), [str(task)], resolved=resolved)
+    assert (tmp_path / "helpers-imported").exists() and 0.0 <= results["coded_task"]["acc"]["value"] <= 1.0
+
+
+def test_llmc_eval_refuses_task_code_before_loading_any_model(tmp_path):
+    task = task_with_code(tmp_path)
+    run = llmc("eval", str(tmp_path / "no-model-needed"), "--tasks", str(task))
+    assert run.returncode != 0 and f"{task}, line 2: `!function helpers.first_two`" in run.stderr and "--allow-task-code" in run.stderr
+    assert not (tmp_path / "helpers-imported").exists()
+
+
+def test_a_recipe_names_the_flag_as_its_own_field(tmp_path, tiny_llama):
+    task = task_with_code(tmp_path)
+    recipe = write_recipe(tmp_path / "recipe.yaml", tiny_llama, tmp_path / "artifact", "  - type: rtn\n    scheme: W4A16\n")
+    base = recipe.read_text()
+    recipe.write_text(f"{base}eval:\n  tasks:\n    names: [{task}]\n")
+    with pytest.raises(LlmcError, match="eval.tasks.names.*line 2.*--allow-task-code.*eval.tasks.allow_code: true"):
+        resolve_eval_and_draft_inputs(load_recipe(recipe), overwrite=False)
+    recipe.write_text(f"{base}eval:\n  tasks:\n    names: [{task}]\n    allow_code: true\n")
+    assert resolve_eval_and_draft_inputs(load_recipe(recipe), overwrite=False).tasks[0] == ["coded_task"]
+    with pytest.raises(LlmcError, match="--allow-task-code .* goes with --tasks"):
+        options_eval_config(None, 1024, 40, "business.jsonl", None, None, [], allow_task_code=True)
+
+
+def test_only_the_named_task_file_is_indexed_not_its_folder(tmp_path):
+    task = user_task(tmp_path)
+    user_task(tmp_path, "sibling_task")
+    (tmp_path / "nested").mkdir()
+    user_task(tmp_path / "nested", "nested_task")
+    tasks, manager = resolve_tasks([str(task)])
+    assert tasks == ["my_local_task"] and "my_local_task" in manager.all_tasks
+    assert not {"sibling_task", "nested_task"} & set(manager.all_tasks)
+    assert "llmc_customer_service_mc" in manager.all_tasks  # the bundled task (its !function trusted) is still there
+
+
+def test_included_files_are_checked_for_code_and_must_exist(tmp_path):
+    task_with_code(tmp_path)
+    including = tmp_path / "including.yaml"
+    including.write_text("include: coded_task.yaml\ntask: including_task\n")
+    with pytest.raises(LlmcError, match=rf"{re.escape(str(tmp_path / 'coded_task.yaml'))}, line 2: `!function helpers.first_two`"):
+        resolve_tasks([str(including)])
+    tasks, manager = resolve_tasks([str(including)], allow_code=True)
+    assert tasks == ["including_task"] and "including_task" in manager.all_tasks and "coded_task" not in manager.all_tasks
+    including.write_text("task: including_task\ninclude: [missing.yaml]\n")
+    with pytest.raises(LlmcError, match=rf"{re.escape(str(including))}, line 2: `include: missing.yaml`: no such file"):
+        resolve_tasks([str(including)], allow_code=True)
+    assert not (tmp_path / "helpers-imported").exists()  # checking and indexing never import the helpers
 
 
 @pytest.mark.slow

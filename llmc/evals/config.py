@@ -22,6 +22,7 @@ class BusinessEval(StrictModel):
 class LmEvalTasks(StrictModel):
     names: list[str] = Field(min_length=1)
     limit: float | None = Field(None, gt=0)
+    allow_code: bool = False  # run the Python a task YAML's `!function` tags name (llmc's bundled tasks always may)
 
 
 class EvalConfig(StrictModel):
@@ -56,14 +57,17 @@ def eval_config(data: dict, source: str) -> EvalConfig:
 
 
 def options_eval_config(perplexity: str | None, seq_len: int, max_windows: int, business: str | None, tasks: str | None,
-                        limit: int | None, gate: list[str]) -> EvalConfig:
+                        limit: int | None, gate: list[str], allow_task_code: bool = False) -> EvalConfig:
     """The eval section `llmc eval`'s options describe (`gate` as KEY=VALUE thresholds)."""
     if not (perplexity or business or tasks):
         raise LlmcError("nothing to evaluate: pass --perplexity FILE|wikitext2, --business FILE, --tasks NAMES or --speculative")
+    if allow_task_code and not tasks:
+        raise LlmcError("--allow-task-code lets a task YAML's `!function` tags run: it goes with --tasks")
     config = eval_config({
         "perplexity": {"dataset": perplexity, "seq_len": seq_len, "max_windows": max_windows} if perplexity else None,
         "business": {"dataset": business, "limit": limit} if business else None,
-        "tasks": {"names": [name.strip() for name in tasks.split(",") if name.strip()], "limit": limit} if tasks else None,
+        "tasks": {"names": [name.strip() for name in tasks.split(",") if name.strip()], "limit": limit,
+                  "allow_code": allow_task_code} if tasks else None,
         "gate": gate_thresholds(gate) or None,
     }, source="llmc eval options")
     if config.gate is not None and config.gate.min_accepted_length is not None:

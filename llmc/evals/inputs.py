@@ -27,7 +27,7 @@ def check_tasks(config: EvalConfig) -> tuple | None:
         return None
     from llmc.evals.lm_eval_model import resolve_tasks  # lm-eval is slow to import; only when asked
 
-    return resolve_tasks(config.tasks.names)
+    return resolve_tasks(config.tasks.names, config.tasks.allow_code)
 
 
 def load_eval_inputs(config: EvalConfig) -> EvalInputs:
