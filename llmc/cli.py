@@ -76,16 +76,20 @@ def cli() -> None:
 @click.option("--output", "-o", help="Artifact folder (overrides the recipe's `output`).")
 @click.option("--set", "overrides", multiple=True, metavar="KEY.PATH=VALUE", help="Override a recipe field.")
 @click.option("--overwrite", is_flag=True, help="Replace an existing artifact folder.")
-@click.option("--resume", is_flag=True, help="Continue a killed run of this recipe after its last layer whose shard is intact.")
+@click.option("--resume", is_flag=True,
+              help="Continue a stopped or killed run of this recipe after its last intact layer, or with its evals or draft.")
+@click.option("--discard-partial", is_flag=True, help="Remove the finished layers a stopped or killed run kept, and start again.")
 @click.option("--nproc", type=click.IntRange(min=1), default=1, show_default=True,
               help="Calibrate in N processes (torchrun), each on a share of the samples: one per GPU, or N CPU processes.")
-def quantize(recipe: Path, output: str | None, overrides: tuple[str, ...], overwrite: bool, resume: bool, nproc: int) -> None:
+def quantize(recipe: Path, output: str | None, overrides: tuple[str, ...], overwrite: bool, resume: bool, discard_partial: bool,
+             nproc: int) -> None:
     """Run RECIPE (YAML) and write a compressed-tensors artifact."""
     from llmc.inputs import resolve_eval_and_draft_inputs
     from llmc.recipe import load_recipe
 
     loaded = load_recipe(recipe, list(overrides), output)
-    eval_inputs = resolve_eval_and_draft_inputs(loaded, overwrite)  # before the pipeline's imports: a missing input fails fast
+    # before the pipeline's imports: a missing input fails fast
+    eval_inputs = resolve_eval_and_draft_inputs(loaded, overwrite, resume, discard_partial)
     if not loaded.needs_calibration:
         unused = "; its calibration section only measures each layer's output error" if loaded.calibration else ""
         console.print(f"data-free: no stage of {recipe.name} needs calibration data{unused}")
@@ -98,7 +102,7 @@ def quantize(recipe: Path, output: str | None, overrides: tuple[str, ...], overw
         return
     from llmc.pipeline import run_quantize
 
-    artifact = run_quantize(loaded, overwrite, eval_inputs, resume)
+    artifact = run_quantize(loaded, overwrite, eval_inputs, resume, discard_partial)
     if int(os.environ.get("RANK", "0")) == 0:
         console.print(f"[green]wrote[/] {artifact}")
 
@@ -205,15 +209,16 @@ def speculative_gate(assignments: list[str]):
 @click.option("--set", "overrides", multiple=True, metavar="FIELD=VALUE", help="Set a `draft:` field, e.g. --set steps=600.")
 @DEVICE_OPTION
 def train_draft_command(artifact: Path, prompts: tuple[Path, ...], overrides: tuple[str, ...], device: str) -> None:
-    """Train draft heads on ARTIFACT's own answers and store them in ARTIFACT/draft."""
-    from llmc.draft.build import train_draft
+    """Train draft heads on ARTIFACT's own answers and store them in ARTIFACT/draft (trained in a copy of ARTIFACT that
+    replaces it when done: an error or Ctrl-C leaves ARTIFACT as it was)."""
+    from llmc.draft.build import train_draft_into_copy
     from llmc.overrides import apply_overrides
     from llmc.validation import validated
 
     fields: dict = {"prompts": [str(file) for file in prompts]} if prompts else {}
     apply_overrides(fields, list(overrides))
     config = validated(DraftConfig, fields, "llmc train-draft options", prefix="draft.")
-    folder = train_draft(artifact, config, chosen_device(device))
+    folder = train_draft_into_copy(artifact, config, chosen_device(device))
     console.print(f"[green]wrote[/] {folder}")
 
 
@@ -364,7 +369,7 @@ def main() -> None:
         click.echo(f"error: {error}", err=True)
         sys.exit(error.exit_code)
     except (click.exceptions.Abort, KeyboardInterrupt):
-        click.echo("interrupted; nothing was written", err=True)
+        click.echo("interrupted", err=True)
         sys.exit(130)
     except click.ClickException as error:
         error.show()

@@ -4,6 +4,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from llmc.artifact.output import check_output
+from llmc.artifact.writer import settle_kept_staging
 from llmc.device import resolve_device
 from llmc.errors import LlmcError
 from llmc.evals.inputs import EvalInputs, check_tasks, load_business_items, load_perplexity_text
@@ -19,10 +20,12 @@ def resolved(recipe: Recipe, location: tuple, load: Callable):
         raise recipe.field_error(location, error) from None
 
 
-def resolve_eval_and_draft_inputs(recipe: Recipe, overwrite: bool) -> EvalInputs:
-    """The output folder and the device checked, then the eval data sets and tasks and the draft prompt files: everything the recipe
-    names besides the model and the calibration set (which needs the model's tokenizer)."""
+def resolve_eval_and_draft_inputs(recipe: Recipe, overwrite: bool, resume: bool = False, discard_partial: bool = False) -> EvalInputs:
+    """The output folder (and the work earlier runs of it kept) and the device checked, then the eval data sets and tasks
+    and the draft prompt files: everything the recipe names besides the model and the calibration set (which needs the
+    model's tokenizer)."""
     check_output(Path(recipe.output), overwrite)
+    settle_kept_staging(Path(recipe.output), resume, discard_partial)
     resolved(recipe, ("device",), lambda: resolve_device(recipe.device))
     settings = recipe.eval
     inputs = EvalInputs(resolved(recipe, ("eval", "perplexity", "dataset"), lambda: load_perplexity_text(settings)),

@@ -4,8 +4,8 @@ import os
 import platform
 import sys
 import time
-from dataclasses import asdict
-from datetime import datetime, timezone
+from dataclasses import asdict, dataclass
+from datetime import UTC, datetime
 from importlib.metadata import version
 from pathlib import Path
 
@@ -15,7 +15,19 @@ from transformers import AutoConfig, AutoTokenizer
 import llmc
 from llmc.artifact.export import exporter_for
 from llmc.artifact.reader import layout_of
-from llmc.artifact.resume import Journal, journaled, resumable_staging, resumed_journal, resumption, run_fingerprint
+from llmc.artifact.resume import (
+    COMPLETE,
+    DRAFT,
+    EVALS,
+    REPORT_DIR,
+    WRITTEN,
+    Journal,
+    journaled,
+    resumable_staging,
+    resumed_journal,
+    resumption,
+    run_fingerprint,
+)
 from llmc.artifact.writer import ShardWriter, staged_folder, write_manifest
 from llmc.calib.data import load_calibration
 from llmc.calib.driver import build_skeleton, decoder_layers, decoder_linears, quantize_layerwise
@@ -38,6 +50,16 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 LIBRARIES = ("torch", "transformers", "compressed-tensors", "safetensors", "datasets")
 
 
+@dataclass
+class RunFacts:
+    """What the manifest says of this run beyond its layers, phases and evals."""
+
+    described: dict  # the model, libraries, dtype, stages, KV cache and calibration
+    ranks: int
+    estimate: dict  # the memory estimated before the work
+    prepare_s: float
+
+
 def export_dtype(recipe: Recipe, config) -> torch.dtype:
     if recipe.export.dtype != "auto":
         return DTYPES[recipe.export.dtype]
@@ -45,13 +67,14 @@ def export_dtype(recipe: Recipe, config) -> torch.dtype:
     return getattr(torch, source) if isinstance(source, str) else source
 
 
-def run_quantize(recipe: Recipe, overwrite: bool = False, eval_inputs: EvalInputs | None = None, resume: bool = False) -> Path:
-    """eval_inputs: resolve_eval_and_draft_inputs(recipe, overwrite), when the caller resolved them already.
-    resume: continue a killed run of the same recipe after its last finished layer."""
-    timings: dict[str, float] = {}
+def run_quantize(recipe: Recipe, overwrite: bool = False, eval_inputs: EvalInputs | None = None, resume: bool = False,
+                 discard_partial: bool = False) -> Path:
+    """eval_inputs: resolve_eval_and_draft_inputs(recipe, overwrite, resume, discard_partial), when the caller resolved
+    them already. resume: continue a stopped or killed run of the same recipe after its last finished layer or phase.
+    discard_partial: remove the work such runs kept, and start again."""
     started = time.perf_counter()
     output = Path(recipe.output)
-    eval_inputs = eval_inputs or resolve_eval_and_draft_inputs(recipe, overwrite)
+    eval_inputs = eval_inputs or resolve_eval_and_draft_inputs(recipe, overwrite, resume, discard_partial)
     device = rank_device(resolve_device(recipe.device))
     ranks = ranks_from_environment(device)
     if resume and ranks.distributed:
@@ -86,7 +109,7 @@ def run_quantize(recipe: Recipe, overwrite: bool = False, eval_inputs: EvalInput
     adopt = resumable_staging(output, fingerprint) if resume else None
     all_linears = [name for name, module in skeleton.named_modules() if isinstance(module, torch.nn.Linear)]
     quantization = exporter.config(plan, all_linears)
-    timings["prepare_s"] = time.perf_counter() - started
+    run = RunFacts(describe_run(recipe, dtype, calibration), ranks.world_size, estimate.to_dict(), time.perf_counter() - started)
     if ranks.rank != 0:  # the same layers as rank 0, which alone writes them
         quantize_layerwise(CheckpointReader(folder), skeleton, config, family, modifiers, plan, calibration,
                            lambda *layer: None, kv_cache, device, dtype, None, ranks)
@@ -94,61 +117,83 @@ def run_quantize(recipe: Recipe, overwrite: bool = False, eval_inputs: EvalInput
 
     with staged_folder(output, overwrite, adopt) as staging:
         journal = resumed_journal(staging, fingerprint) if adopt else Journal(staging, fingerprint)
-        reader = CheckpointReader(folder)
-        num_layers = len(decoder_layers(skeleton, family))
-        writer = ShardWriter(staging, num_layers + 1, dtype, exporter.tensors)
-        writer.restore([(layer.shard, layer.tensor_bytes) for layer in journal.finished])
-        started = time.perf_counter()
-        reports = quantize_layerwise(reader, skeleton, config, family, modifiers, plan, calibration, journaled(writer, journal),
-                                     kv_cache, device, dtype, resumption(journal, layout_of(quantization)), ranks)
-        journal.close()
-        quantize_memory = peak_memory(device)
-        rest = reader.tensors([name for name in reader.file_of if not name.startswith(f"{family.layers}.")])
-        rest = {name: tensor.to(dtype) for name, tensor in rest.items()}
-        writer.write(rest)
-        writer.write_index()
-        timings["quantize_s"] = time.perf_counter() - started
-        _write_config(folder, staging, quantization, dtype)
-        for name in exporter.extra_files:
-            (staging / name).write_text(json.dumps(quantization, indent=2, sort_keys=True) + "\n")
-        tokenizer.save_pretrained(staging)
-        (staging / "recipe.yaml").write_text(recipe.to_yaml())
+        if WRITTEN not in journal.phases:
+            started = time.perf_counter()
+            reader = CheckpointReader(folder)
+            num_layers = len(decoder_layers(skeleton, family))
+            writer = ShardWriter(staging, num_layers + 1, dtype, exporter.tensors)
+            writer.restore([(layer.shard, layer.tensor_bytes) for layer in journal.finished])
+            quantize_layerwise(reader, skeleton, config, family, modifiers, plan, calibration, journaled(writer, journal),
+                               kv_cache, device, dtype, resumption(journal, layout_of(quantization)), ranks)
+            quantize_memory = peak_memory(device)
+            rest = reader.tensors([name for name in reader.file_of if not name.startswith(f"{family.layers}.")])
+            writer.write({name: tensor.to(dtype) for name, tensor in rest.items()})
+            writer.write_index()
+            _write_config(folder, staging, quantization, dtype)
+            for name in exporter.extra_files:
+                (staging / name).write_text(json.dumps(quantization, indent=2, sort_keys=True) + "\n")
+            tokenizer.save_pretrained(staging)
+            (staging / "recipe.yaml").write_text(recipe.to_yaml())
+            journal.record_written({"quantize_s": time.perf_counter() - started, "memory": quantize_memory})
+        if COMPLETE not in journal.phases:
+            try:
+                finish_artifact(recipe, staging, journal, eval_inputs, device, run)
+            except GateFailed:
+                journal.discard()  # a verdict on the finished work, not a fault: nothing to resume
+                raise
+    return output
+
+
+def finish_artifact(recipe: Recipe, staging: Path, journal: Journal, eval_inputs: EvalInputs, device: torch.device,
+                    run: "RunFacts") -> None:
+    """The written model's evals, its manifest, then its draft, each recorded in the journal: a resumed run goes on
+    from the first not done."""
+    output = Path(recipe.output)
+    if EVALS not in journal.phases:
         started = time.perf_counter()
         evals = run_recipe_evals(recipe, staging, output, eval_inputs, device)
-        timings["eval_s"] = time.perf_counter() - started
-        write_manifest(staging, {
-            "llmc_version": llmc.__version__,
-            "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-            "model": recipe.model,
-            "libraries": {name: version(name) for name in LIBRARIES} | {"python": platform.python_version()},
-            "export_dtype": str(dtype).removeprefix("torch."),
-            "stages": [_describe_stage(stage) for stage in recipe.stages],
-            "kv_cache": None if recipe.kv_cache is None else recipe.kv_cache.model_dump(),
-            "calibration": None if calibration is None else {
-                "dataset": calibration.source,
-                "num_samples": calibration.input_ids.shape[0],
-                "seq_len": calibration.input_ids.shape[1],
-                "dtype": str(calibration.compute_dtype).removeprefix("torch."),
-                "sha256": calibration.sha256,
-            },
-            "layers": [asdict(report) for report in reports],
-            "device": str(device),
-            "ranks": ranks.world_size,
-            "memory": quantize_memory | {"estimate": estimate.to_dict()},
-            "timings": timings,
-            "eval": evals,
-        })
-        if recipe.draft is not None:  # heads learn from the quantized model, the one that will be served
-            from llmc.draft.build import train_draft
-            from llmc.evals.gate import check_accepted_length
-            from llmc.runtime.speculative.store import read_draft_config
+        journal.record_phase(EVALS, {"summary": evals, "eval_s": time.perf_counter() - started})
+    written, evals = journal.phases[WRITTEN], journal.phases[EVALS]
+    write_manifest(staging, {
+        "llmc_version": llmc.__version__,
+        "created": datetime.now(UTC).isoformat(timespec="seconds"),
+        **run.described,
+        "layers": [asdict(layer.report) for layer in journal.finished],
+        "device": str(device),
+        "ranks": run.ranks,
+        "memory": written["memory"] | {"estimate": run.estimate},
+        "timings": {"prepare_s": run.prepare_s, "quantize_s": written["quantize_s"], "eval_s": evals["eval_s"]},
+        "eval": evals["summary"],
+    })
+    if recipe.draft is not None:  # heads learn from the quantized model, the one that will be served
+        from llmc.draft.build import train_draft
+        from llmc.evals.gate import check_accepted_length
+        from llmc.runtime.speculative.store import read_draft_config
 
-            folder = train_draft(staging, recipe.draft, device)
-            if recipe.eval.gate is not None:
-                acceptance = read_draft_config(folder)["heldout_acceptance"] or {}
-                check_accepted_length(acceptance.get("mean_accepted_length", 1.0), recipe.eval.gate,
-                                      f"the draft on its held-out prompts, no artifact written to {output}")
-    return output
+        journal.record_phase(DRAFT, {"started": datetime.now(UTC).isoformat(timespec="seconds")})
+        folder = train_draft(staging, recipe.draft, device)
+        if recipe.eval.gate is not None:
+            acceptance = read_draft_config(folder)["heldout_acceptance"] or {}
+            check_accepted_length(acceptance.get("mean_accepted_length", 1.0), recipe.eval.gate,
+                                  f"the draft on its held-out prompts, no artifact written to {output}")
+    journal.record_phase(COMPLETE, {})
+
+
+def describe_run(recipe: Recipe, dtype: torch.dtype, calibration) -> dict:
+    return {
+        "model": recipe.model,
+        "libraries": {name: version(name) for name in LIBRARIES} | {"python": platform.python_version()},
+        "export_dtype": str(dtype).removeprefix("torch."),
+        "stages": [_describe_stage(stage) for stage in recipe.stages],
+        "kv_cache": None if recipe.kv_cache is None else recipe.kv_cache.model_dump(),
+        "calibration": None if calibration is None else {
+            "dataset": calibration.source,
+            "num_samples": calibration.input_ids.shape[0],
+            "seq_len": calibration.input_ids.shape[1],
+            "dtype": str(calibration.compute_dtype).removeprefix("torch."),
+            "sha256": calibration.sha256,
+        },
+    }
 
 
 def _describe_stage(stage) -> dict:
@@ -184,5 +229,5 @@ def run_recipe_evals(recipe: Recipe, staging: Path, output: Path, inputs: EvalIn
     except GateFailed as failed:
         beside = write_report(report, output.with_name(f"{output.name}.gate-report"))
         raise GateFailed(f"{failed}\nreport: {beside / 'report.md'}") from None
-    write_report(report, staging / "report")
+    write_report(report, staging / REPORT_DIR)
     return summary(report)

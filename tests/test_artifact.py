@@ -142,13 +142,13 @@ def test_existing_output_is_kept(tmp_path, tiny_llama):
     assert sha256_of_files(tmp_path / "art") == before
 
 
-def test_failure_midway_leaves_nothing(tmp_path, tiny_llama, monkeypatch):
+def test_failure_before_any_finished_layer_leaves_nothing(tmp_path, tiny_llama, monkeypatch):
     import llmc.pipeline
 
     def broken(*args, **kwargs):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(llmc.pipeline, "run_recipe_evals", broken)
+    monkeypatch.setattr(llmc.pipeline, "quantize_layerwise", broken)
     with pytest.raises(KeyboardInterrupt):
         quantize(tmp_path, tiny_llama, SCHEMES["w8-channel"])
     assert list(tmp_path.iterdir()) == [tmp_path / "art.yaml"]
@@ -173,4 +173,4 @@ def test_a_killed_runs_staging_folder_is_removed_by_the_next_run(tmp_path, tiny_
     mine.mkdir()
     run_quantize(load_recipe(recipe))
     assert not stale[0].exists() and mine.exists() and (tmp_path / "out").is_dir()
-    assert f"removed {stale[0]}, left behind by process" in capfd.readouterr().err
+    assert f"removed {stale[0]}, left behind by a run that stopped before it finished anything" in capfd.readouterr().err

@@ -9,7 +9,7 @@ import torch
 from tqdm import tqdm
 from transformers import AutoConfig
 
-from llmc.artifact.writer import MANIFEST, write_manifest
+from llmc.artifact.writer import MANIFEST, staged_copy, write_manifest
 from llmc.draft.config import DraftConfig
 from llmc.draft.data import DistillSet, cached_self_distill, distill_engine
 from llmc.draft.eagle3 import train_eagle3
@@ -37,12 +37,27 @@ HELD_OUT_PROMPTS = 32  # held-out prompts a draft's acceptance is measured on, o
 HELD_OUT_MAX_TOKENS = 128
 
 
+def train_draft_into_copy(artifact: Path, config: DraftConfig, device: torch.device | str = "cpu") -> Path:
+    """`llmc train-draft` on a finished artifact: the draft is trained into a staging copy of it (its files hard links
+    but the manifest, a real copy, and without the old draft), which then takes the artifact's place (the old one
+    renamed aside, the copy renamed in, the old one removed); an error or Ctrl-C leaves the artifact as it was."""
+    require_artifact(artifact)
+    with staged_copy(artifact, rewritten={MANIFEST}, dropped={DRAFT_DIR}) as staging:
+        train_draft(staging, config, device)
+    return artifact / DRAFT_DIR
+
+
+def require_artifact(folder: Path) -> None:
+    if not (folder / MANIFEST).is_file():
+        raise LlmcError(f"{folder} is not an llmc artifact (no {MANIFEST})")
+
+
 def train_draft(artifact: Path, config: DraftConfig, device: torch.device | str = "cpu") -> Path:
-    """The target answers the prompts through the runtime on device, and the heads train there; the answers' features
-    stay in host memory, each training batch moved to the device."""
+    """Train draft heads into ARTIFACT/draft, in place (`llmc quantize` trains them in its staging folder). The target
+    answers the prompts through the runtime on device, and the heads train there; the answers' features stay in host
+    memory, each training batch moved to the device."""
     device = torch.device(device)
-    if not (artifact / MANIFEST).is_file():
-        raise LlmcError(f"{artifact} is not an llmc artifact (no {MANIFEST})")
+    require_artifact(artifact)
     check_prompt_files(config.prompts)
     aux_layers, features = checked_draft_inputs(artifact, config, device)
     started = time.perf_counter()

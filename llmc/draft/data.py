@@ -18,6 +18,8 @@ import torch
 from safetensors.torch import load_file, save_file
 from tqdm import tqdm
 
+from llmc.artifact.output import unique_sibling
+from llmc.artifact.resume import REPORT_DIR
 from llmc.artifact.writer import MANIFEST
 from llmc.errors import LlmcError
 from llmc.models.spec import llmc_home
@@ -32,6 +34,7 @@ DISTILL_SEQS = 128  # answers generated side by side: on CPU, wider float32 matm
 DISTILL_KV_GIB = 2.0  # their KV cache in float32 (46 KiB a token for SmolLM2): no preemption at 128 x ~250 tokens
 DISTILL_PART = 256  # answers saved together as they finish: an interrupted distillation resumes from those it saved
 DISTILL_MAX_LEN = 1024  # tokens of prompt + answer
+NOT_THE_MODEL = {REPORT_DIR, DRAFT_DIR, "recipe.yaml"}  # an artifact's files that do not change its answers
 
 
 @dataclass(slots=True)
@@ -152,16 +155,21 @@ def cached_self_distill(artifact: Path, prompts_file: Path, num_prompts: int | N
 
 def distill_cache_path(artifact: Path, prompts_file: Path, num_prompts: int | None, max_tokens: int,
                        aux_layers: tuple[int, ...] = (), keep_features: bool = True) -> Path:
-    """Where the set of these answers (and features) is cached: keyed by the model, the prompts and the lengths."""
+    """Where the set of these answers (and features) is cached: keyed by what decides it, the model's files, the prompts
+    and the settings; not by when or how fast the artifact was made, so `llmc quantize` and `llmc train-draft` share it."""
     num_prompts = num_prompts or len(read_prompt_texts(prompts_file))
-    manifest = json.loads((artifact / MANIFEST).read_text())
-    manifest.pop("draft", None)  # the model, not the heads trained on it
-    manifest["files"] = {name: digest for name, digest in manifest.get("files", {}).items() if not name.startswith(f"{DRAFT_DIR}/")}
     key = hashlib.sha256(b"\0".join([
-        json.dumps(manifest, sort_keys=True).encode(), prompts_file.read_bytes(), f"{num_prompts},{max_tokens}".encode(),
+        json.dumps(model_files(artifact), sort_keys=True).encode(), prompts_file.read_bytes(), f"{num_prompts},{max_tokens}".encode(),
     ] + ([f"aux {list(aux_layers)}".encode()] if aux_layers and keep_features else [])
       + ([] if keep_features else [b"answers only"]))).hexdigest()[:16]
     return llmc_home() / "distill" / f"{key}.safetensors"
+
+
+def model_files(artifact: Path) -> dict[str, str]:
+    """The sha256 of the artifact's files that decide its answers (its manifest's `files`): its weights, config and
+    tokenizer, not its reports, draft or recipe."""
+    files = json.loads((artifact / MANIFEST).read_text()).get("files", {})
+    return {name: digest for name, digest in files.items() if name.split("/")[0] not in NOT_THE_MODEL}
 
 
 def answer_tensors(token_ids: list[list[int]], hidden: list[torch.Tensor] | None, answer_starts: list[int],
@@ -189,7 +197,7 @@ def read_answers(tensors: dict[str, torch.Tensor]) -> tuple[list[list[int]], lis
 def save_whole(tensors: dict[str, torch.Tensor], path: Path) -> None:
     """Written beside path and renamed into place: an interrupted write leaves nothing that reads as complete."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    partial = path.with_name(f".{path.name}.partial")
+    partial = unique_sibling(path)  # another run may write the same set at the same time
     save_file(tensors, partial)
     os.replace(partial, path)
 

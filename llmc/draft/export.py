@@ -6,6 +6,7 @@ from pathlib import Path
 from safetensors.torch import load_file, save_file
 from transformers import LlamaConfig
 
+from llmc.artifact.output import move_into_place, unique_sibling
 from llmc.errors import LlmcError
 from llmc.runtime.speculative.store import WEIGHTS, read_draft_config
 
@@ -27,12 +28,14 @@ def export_for_vllm(folder: Path, out: Path) -> Path:
     method = config.get("method")
     if method not in VLLM_METHODS:
         raise LlmcError(f"{folder}: a {method} draft does not export to vLLM: {NOT_EXPORTABLE.get(method, 'unknown method')}")
-    staging = out.with_name(f".{out.name}.partial")
-    shutil.rmtree(staging, ignore_errors=True)
+    staging = unique_sibling(out)
     staging.mkdir(parents=True)
-    LlamaConfig(**config["config"]).to_json_file(staging / "config.json")
-    tensors = {name: tensor.bfloat16() if tensor.is_floating_point() else tensor for name, tensor in load_file(folder / WEIGHTS).items()}
-    save_file({name: tensor.contiguous() for name, tensor in tensors.items()}, staging / "model.safetensors")
-    shutil.rmtree(out, ignore_errors=True)
-    staging.rename(out)
+    try:
+        LlamaConfig(**config["config"]).to_json_file(staging / "config.json")
+        tensors = {name: tensor.bfloat16() if tensor.is_floating_point() else tensor
+                   for name, tensor in load_file(folder / WEIGHTS).items()}
+        save_file({name: tensor.contiguous() for name, tensor in tensors.items()}, staging / "model.safetensors")
+        move_into_place(staging, out, replace=True)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
     return out
