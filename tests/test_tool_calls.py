@@ -176,12 +176,22 @@ def test_calls_are_parsed_out_of_text_whole_and_split_anywhere():
     content, calls = parse_tool_calls(text)
     assert [call["function"] for call in calls] == [{"name": "get_time", "arguments": '{"zone": "CET"}'}]
     assert content == "Let me check.\n\n<tool_call>\nnot json\n</tool_call>"
-    for size in (1, 2, 5, 11, len(text)):
-        stream, streamed_content, streamed_calls = ToolCallStream(), "", []
-        pieces = [text[start : start + size] for start in range(0, len(text), size)]
-        for index, piece in enumerate(pieces):
-            piece_content, piece_calls = stream.feed(piece, finished=index == len(pieces) - 1)
-            streamed_content, streamed_calls = streamed_content + piece_content, streamed_calls + piece_calls
-        assert [call["function"] for call in streamed_calls] == [call["function"] for call in calls]
-        assert streamed_content.strip() == content
+    two_calls = f"{call}\n{call}"  # what tool_choice required writes with parallel calls
+    for whole in (text, two_calls, "  no calls, spaces kept \n"):
+        content, calls = parse_tool_calls(whole)
+        for size in (1, 2, 5, 11, len(whole)):
+            streamed_content, streamed_calls = streamed(whole, size)
+            assert [call["function"] for call in streamed_calls] == [call["function"] for call in calls]
+            assert streamed_content == content, (whole, size)
+    assert parse_tool_calls(two_calls)[0] == ""
     assert parse_tool_calls("no calls <tool_call> here") == ("no calls <tool_call> here", [])
+
+
+def streamed(text: str, size: int) -> tuple[str, list[dict]]:
+    """text through a ToolCallStream in pieces of size characters: the content and the calls it sends."""
+    stream, content, calls = ToolCallStream(), "", []
+    pieces = [text[start : start + size] for start in range(0, len(text), size)]
+    for index, piece in enumerate(pieces):
+        piece_content, piece_calls = stream.feed(piece, finished=index == len(pieces) - 1)
+        content, calls = content + piece_content, calls + piece_calls
+    return content, calls

@@ -135,11 +135,14 @@ def parse_tool_calls(text: str) -> tuple[str, list[dict]]:
 
 class ToolCallStream:
     """Splits one choice's streamed text into content deltas and whole tool calls: text that may still open a call is
-    held back, and a call is sent once its closing tag arrives."""
+    held back, and a call is sent once its closing tag arrives. Whitespace is held until text follows it, so the
+    whitespace around calls (a newline between two) is not sent, as parse_tool_calls strips it from a whole answer."""
 
     def __init__(self):
         self.pending = ""
         self.num_calls = 0
+        self.held_whitespace = ""
+        self.sent_text = False
 
     def feed(self, text: str, finished: bool) -> tuple[str, list[dict]]:
         self.pending += text
@@ -148,24 +151,37 @@ class ToolCallStream:
             start = self.pending.find(CALL_OPEN)
             if start == -1:
                 safe = len(self.pending) if finished else self._safe_end()
-                content.append(self.pending[:safe])
+                content.append(self._visible(self.pending[:safe]))
                 self.pending = self.pending[safe:]
                 break
             match = CALL.match(self.pending, start)
             if match is None:  # a call still being written
-                content.append(self.pending[:start])
+                content.append(self._visible(self.pending[:start]))
                 self.pending = self.pending[start:]
                 if finished:
-                    content.append(self.pending)
+                    content.append(self._visible(self.pending))
                     self.pending = ""
                 break
             call = openai_tool_call(match.group(1), self.num_calls)
-            content.append(self.pending[:start] if call is not None else self.pending[: match.end()])
+            content.append(self._visible(self.pending[:start] if call is not None else self.pending[: match.end()]))
             if call is not None:
                 calls.append(call)
                 self.num_calls += 1
             self.pending = self.pending[match.end() :]
+        if finished and not self.num_calls:  # no calls: the text is sent as it is, its trailing whitespace too
+            content.append(self.held_whitespace)
         return "".join(content), calls
+
+    def _visible(self, text: str) -> str:
+        """What of text (after the whitespace held so far) can be sent: all but its trailing whitespace, which is held;
+        leading whitespace is dropped once a call has come before any text."""
+        text = self.held_whitespace + text
+        body = text.rstrip()
+        self.held_whitespace = text[len(body) :]
+        if not self.sent_text and self.num_calls:
+            body = body.lstrip()
+        self.sent_text = self.sent_text or bool(body)
+        return body
 
     def _safe_end(self) -> int:
         """How much of pending cannot be the start of CALL_OPEN."""
