@@ -90,6 +90,8 @@ def test_only_the_named_task_file_is_indexed_not_its_folder(tmp_path):
     assert tasks == ["my_local_task"] and "my_local_task" in manager.all_tasks
     assert not {"sibling_task", "nested_task"} & set(manager.all_tasks)
     assert "llmc_customer_service_mc" in manager.all_tasks  # the bundled task (its !function trusted) is still there
+    yml = user_task(tmp_path / "nested", "yml_task").rename(tmp_path / "nested" / "yml_task.yml")
+    assert "yml_task" in resolve_tasks([str(yml)])[1].all_tasks  # lm-eval itself indexes *.yaml only
 
 
 def test_included_files_are_checked_for_code_and_must_exist(tmp_path):
