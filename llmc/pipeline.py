@@ -15,20 +15,8 @@ from transformers import AutoConfig, AutoTokenizer
 import llmc
 from llmc.artifact.export import exporter_for
 from llmc.artifact.reader import layout_of
-from llmc.artifact.resume import (
-    COMPLETE,
-    DRAFT,
-    EVALS,
-    REPORT_DIR,
-    WRITTEN,
-    Journal,
-    journaled,
-    resumable_staging,
-    resumed_journal,
-    resumption,
-    run_fingerprint,
-)
-from llmc.artifact.writer import ShardWriter, staged_folder, write_manifest
+from llmc.artifact.resume import REPORT_DIR, Journal, journaled, resumable_staging, resumed_journal, resumption, run_fingerprint
+from llmc.artifact.writer import COMPLETE, DRAFT, EVALS, WRITTEN, ShardWriter, staged_folder, write_manifest
 from llmc.calib.data import load_calibration
 from llmc.calib.driver import build_skeleton, decoder_layers, decoder_linears, quantize_layerwise
 from llmc.calib.memory import estimate_memory, require_fits

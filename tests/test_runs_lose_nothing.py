@@ -58,13 +58,13 @@ def test_a_full_disk_loses_no_finished_layer_and_resume_completes_the_artifact(t
     err = capfd.readouterr().err
     (staging,) = kept_staging(tmp_path)
     assert "error: no space left on the device writing" in err and "Traceback" not in err
-    assert f"2 finished layer(s) and the journal are kept in {staging}" in err and "--resume" in err and "--discard-partial" in err
+    assert f"the 2 finished layer(s) are kept in {staging} with their journal" in err and "--resume" in err and "--discard-partial" in err
     assert finished_indices(staging) == [0, 1] and not (tmp_path / "out").exists()
 
     monkeypatch.setattr(writer, "save_file", save_file)
     assert llmc_main(monkeypatch, "quantize", str(recipe)) == 2  # a fresh run leaves the kept work alone
     err = capfd.readouterr().err
-    assert f"{staging} holds 2 finished layer(s)" in err and "--resume" in err and "--discard-partial" in err
+    assert f"{staging} holds the 2 finished layer(s) of an earlier run" in err and "--resume" in err and "--discard-partial" in err
     assert finished_indices(staging) == [0, 1]
 
     assert llmc_main(monkeypatch, "quantize", str(recipe), "--resume") == 0
@@ -87,8 +87,8 @@ def test_ctrl_c_after_a_layer_keeps_the_work_until_discard_partial(tmp_path, fou
     with pytest.raises(KeyboardInterrupt):
         pipeline.run_quantize(load_recipe(recipe))
     (staging,) = kept_staging(tmp_path)
-    assert f"interrupted: 4 finished layer(s) and the journal are kept in {staging}" in capfd.readouterr().err
-    with pytest.raises(LlmcError, match="holds 4 finished layer.* --resume .* --discard-partial to remove it"):
+    assert f"interrupted: the 4 finished layer(s), the other files are kept in {staging}" in capfd.readouterr().err
+    with pytest.raises(LlmcError, match="holds the 4 finished layer.* --resume .* --discard-partial to remove it"):
         pipeline.run_quantize(load_recipe(recipe))
     with pytest.raises(LlmcError, match="pass one of them"):
         pipeline.run_quantize(load_recipe(recipe), resume=True, discard_partial=True)

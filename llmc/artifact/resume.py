@@ -17,7 +17,18 @@ import torch
 from torch import nn
 
 from llmc.artifact.reader import Layout, dense_tensors
-from llmc.artifact.writer import JOURNAL, MANIFEST, ShardWriter, killed_staging, sha256_of_file, sha256_of_files
+from llmc.artifact.writer import (
+    COMPLETE,
+    EVALS,
+    JOURNAL,
+    MANIFEST,
+    PHASE_WORDS,
+    WRITTEN,
+    ShardWriter,
+    killed_staging,
+    sha256_of_file,
+    sha256_of_files,
+)
 from llmc.calib.driver import EmitLayer, LayerReport, Resumption
 from llmc.errors import LlmcError
 from llmc.models.checkpoint import CheckpointReader
@@ -26,11 +37,10 @@ from llmc.quant.qtypes import QuantizedWeight
 from llmc.runtime.speculative.store import DRAFT_DIR
 
 REPORT_DIR = "report"
-# the phases after the layers, in order, each with what it records
-WRITTEN = "written"  # the files besides the layers' shards, with their sha256, the quantization's time and memory
-EVALS = "evals"  # the evals' summary (the report is in report/) and their time
-DRAFT = "draft"  # the draft stage started: a resumed run starts it again
-COMPLETE = "complete"  # the manifest (and the draft) written: a resumed run only moves the artifact into place
+# the phases after the layers record: WRITTEN the files besides the layers' shards, with their sha256, the
+# quantization's time and memory; EVALS the evals' summary (the report is in report/) and their time; DRAFT that the
+# draft stage started (a resumed run starts it again); COMPLETE that the manifest and the draft are written (a resumed
+# run only moves the artifact into place)
 
 
 @dataclass
@@ -111,7 +121,7 @@ def resumed_journal(staging: Path, fingerprint: str) -> Journal:
         journal.phases = intact_phases(staging, state.get("phases", {}))
     keep_only(staging, {layer.shard for layer in journal.finished} | {JOURNAL} | phase_files(journal.phases))
     journal.save()
-    phases = f", then {', '.join(journal.phases)}" if journal.phases else ""
+    phases = "".join(f", {PHASE_WORDS[phase]}" for phase in journal.phases)
     print(f"resuming in {staging}: {len(journal.finished)} finished layer(s) verified by sha256{phases}", file=sys.stderr)
     return journal
 

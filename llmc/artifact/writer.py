@@ -27,6 +27,9 @@ MANIFEST = "llmc.json"
 INDEX = "model.safetensors.index.json"
 JOURNAL = "resume.json"  # the finished work of a run in its staging folder: not part of the artifact
 KEPT = "kept"  # in place of the pid in a staging folder's name: kept by a run that stopped, no process uses it
+# the phases a journal records after the layers, in order, as a message names them (artifact/resume.py)
+WRITTEN, EVALS, DRAFT, COMPLETE = "written", "evals", "draft", "complete"
+PHASE_WORDS = {WRITTEN: "the other files", EVALS: "the evals", DRAFT: "a draft stage begun", COMPLETE: "the whole artifact"}
 CONTINUE_HINT = "rerun the same command with --resume to continue from there, or with --discard-partial to remove it"
 
 
@@ -60,8 +63,11 @@ def holds_finished_work(staging: Path) -> bool:
     return (staging / JOURNAL).is_file()
 
 
-def finished_layers(staging: Path) -> int:
-    return len(json.loads((staging / JOURNAL).read_text())["finished"])
+def finished_work(staging: Path) -> str:
+    """What a staging folder's journal says is done, in words."""
+    state = json.loads((staging / JOURNAL).read_text())
+    phases = "".join(f", {PHASE_WORDS[phase]}" for phase in state.get("phases", {}))
+    return f"{len(state['finished'])} finished layer(s){phases}"
 
 
 def kept_staging(output: Path) -> list[Path]:
@@ -88,7 +94,7 @@ def refuse_kept_staging(output: Path) -> None:
     """A fresh run leaves an earlier run's finished work alone, and says how to continue it or remove it."""
     kept = kept_staging(output)
     if kept:
-        raise LlmcError(f"{kept[0]} holds {finished_layers(kept[0])} finished layer(s) of an earlier run of {output} that "
+        raise LlmcError(f"{kept[0]} holds the {finished_work(kept[0])} of an earlier run of {output} that "
                         f"stopped before the end: {CONTINUE_HINT} and start again")
 
 
@@ -118,7 +124,7 @@ def stopped_with_work_kept(error: BaseException, staging: Path, output: Path) ->
     """What a run that stopped after finishing some work raises: its error with where the work is and how to go on.
     A full disk and other OS errors become one LlmcError; an unforeseen error keeps its traceback."""
     kept_as = kept(staging, output)
-    note = f"{finished_layers(kept_as)} finished layer(s) and the journal are kept in {kept_as}: {CONTINUE_HINT}"
+    note = f"the {finished_work(kept_as)} are kept in {kept_as} with their journal: {CONTINUE_HINT}"
     if isinstance(error, OSError):
         return LlmcError(f"{os_error_text(error)}\n{note}")
     if isinstance(error, LlmcError):
@@ -170,11 +176,14 @@ def publish(staging: Path, output: Path, overwrite: bool) -> None:
             (staging / JOURNAL).rename(journal)
         try:
             move_into_place(staging, output, overwrite)
-            journal.unlink(missing_ok=True)
-            return
-        except OutputTaken:
+        except BaseException as error:
             if journal.is_file():
                 journal.rename(staging / JOURNAL)
+            if not isinstance(error, OutputTaken):
+                raise
+        else:
+            journal.unlink(missing_ok=True)
+            return
     kept_as = kept(staging, output)
     raise LlmcError(f"{output} appeared while this run worked; the finished artifact is kept in {kept_as}: move it where "
                     f"you want it, or rerun the same command with --resume --overwrite to replace {output}")
