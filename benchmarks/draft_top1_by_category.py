@@ -15,10 +15,11 @@ from pathlib import Path
 
 import torch
 
+from llmc.artifact.writer import DRAFT_DIR
 from llmc.draft.data import self_distill
 from llmc.draft.losses import unrolled
 from llmc.runtime.models.loader import WeightLoader
-from llmc.runtime.speculative.store import DRAFT_DIR, load_draft
+from llmc.runtime.speculative.store import load_draft
 
 ROOT = Path(__file__).resolve().parents[1]
 MT_BENCH = ROOT.parent / "shared" / "data" / "mt_bench" / "question.jsonl"

@@ -15,6 +15,7 @@ from llmc.errors import LlmcError
 from llmc.evals.config import PerplexityEval
 from llmc.runtime.engine.config import EngineConfig
 from llmc.runtime.serving import DEFAULT_MAX_WAITING
+from llmc.runtime.serving.limits import HEALTH_STALL_SECONDS, MAX_REQUEST_BYTES
 from llmc.runtime.speculative.shape import DEFAULT_SHAPES
 
 console = Console()
@@ -298,16 +299,25 @@ def require_serve_extra() -> None:
               help="Requests queued beyond --max-num-seqs before the server answers 503.")
 @click.option("--threads", type=click.IntRange(min=1),
               help="CPU threads for the engine's math, which runs in its own process beside the HTTP server's (default: all cores).")
+@click.option("--max-request-bytes", type=click.IntRange(min=1024), default=MAX_REQUEST_BYTES, show_default=True,
+              help="Larger request bodies get 413 before they are read in full or parsed.")
+@click.option("--health-stall-seconds", type=click.FloatRange(min=1), default=HEALTH_STALL_SECONDS, show_default=True,
+              help="/health answers 503 when the engine has not answered for this long (it replies every second "
+                   "between steps), as well as once it has died.")
 @with_options(ENGINE_OPTIONS)
 @click.pass_context
 def serve(ctx: click.Context, artifact: str, vllm_args: tuple[str, ...], engine: str, vllm_executable: str | None, host: str,
           port: int, api_key: str | None, served_model_name: str | None, max_waiting: int, threads: int | None,
-          **engine_options) -> None:
+          max_request_bytes: int, health_stall_seconds: float, **engine_options) -> None:
     """Serve ARTIFACT (or any model spec) over an OpenAI-compatible HTTP API."""
+    if (api_key is not None and not api_key.strip()) or os.environ.get("LLMC_API_KEY") == "":  # click reads "" as unset
+        raise LlmcError("--api-key (or LLMC_API_KEY) is empty: give a key, or unset LLMC_API_KEY to serve without one")
     if engine == "vllm":
         from llmc.serve_vllm import exec_vllm, find_vllm, vllm_command
 
-        options = explicit_options(ctx, engine_options | {"max_waiting": max_waiting, "threads": threads})
+        options = explicit_options(ctx, engine_options | {"max_waiting": max_waiting, "threads": threads,
+                                                          "max_request_bytes": max_request_bytes,
+                                                          "health_stall_seconds": health_stall_seconds})
         exec_vllm(vllm_command(find_vllm(vllm_executable), artifact, host, port, api_key, served_model_name or artifact, options,
                                vllm_args))
     if vllm_args or vllm_executable is not None:
@@ -319,8 +329,8 @@ def serve(ctx: click.Context, artifact: str, vllm_args: tuple[str, ...], engine:
     from llmc.runtime.serving.server import serve as run_server
 
     config = engine_config(artifact, **engine_options)
-    engine = EngineProcess(resolve_model(artifact), config, threads or os.cpu_count() or 1, max_waiting)
-    run_server(engine, served_model_name or artifact, host, port, api_key)
+    engine = EngineProcess(resolve_model(artifact), config, threads or os.cpu_count() or 1, max_waiting, health_stall_seconds)
+    run_server(engine, served_model_name or artifact, host, port, api_key, max_request_bytes)
 
 
 @cli.command()

@@ -3,13 +3,13 @@ or unreachable input stops `llmc quantize` within seconds, with the field and YA
 from collections.abc import Callable
 from pathlib import Path
 
-from llmc.artifact.output import check_output
 from llmc.artifact.writer import settle_kept_staging
 from llmc.device import resolve_device
 from llmc.errors import LlmcError
 from llmc.evals.inputs import EvalInputs, check_tasks, load_business_items, load_perplexity_text
 from llmc.prompts import check_prompt_files
 from llmc.recipe import Recipe
+from llmc.staging import check_output
 
 
 def resolved(recipe: Recipe, location: tuple, load: Callable):

@@ -317,10 +317,12 @@ def test_llmc_serve_stops_when_its_engine_process_dies(artifact):
             next(lines)
             engine.kill()
             rest = list(lines)
-        # the open stream ends (it does not hang) saying it was cut short, and the server exits on its own
-        assert rest[-1] == "data: [DONE]" and json.loads(rest[-2][6:])["choices"][0]["finish_reason"] == "abort"
-        assert process.wait(timeout=60) == -signal.SIGTERM
-        assert "the engine process exited with code -9; stopping the server" in process.stdout.read()
+        # the open stream ends (it does not hang) with an error event, and the server exits non-zero on its own, so a
+        # supervisor (Restart=on-failure) restarts it
+        error = json.loads(rest[-2][6:])["error"]
+        assert rest[-1] == "data: [DONE]" and error["code"] == 500 and "exited with code -9" in error["message"]
+        assert process.wait(timeout=60) == 2
+        assert "error: the server stopped: the engine process exited with code -9" in process.stdout.read()
 
 
 def test_bench_against_the_url_with_poisson_arrivals(server):

@@ -19,6 +19,7 @@ from torch import nn
 from llmc.artifact.reader import Layout, dense_tensors
 from llmc.artifact.writer import (
     COMPLETE,
+    DRAFT_DIR,
     EVALS,
     JOURNAL,
     MANIFEST,
@@ -34,7 +35,6 @@ from llmc.errors import LlmcError
 from llmc.models.checkpoint import CheckpointReader
 from llmc.quant.layer import COMPUTE_DTYPE
 from llmc.quant.qtypes import QuantizedWeight
-from llmc.runtime.speculative.store import DRAFT_DIR
 
 REPORT_DIR = "report"
 # the phases after the layers record: WRITTEN the files besides the layers' shards, with their sha256, the

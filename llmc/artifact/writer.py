@@ -18,12 +18,13 @@ from safetensors.torch import save_file
 from torch import nn
 
 from llmc.artifact.compressed_tensors import compressed_tensors_tensors
-from llmc.artifact.output import OutputTaken, check_output, move_into_place, unique_sibling
 from llmc.errors import LlmcError
 from llmc.quant.qtypes import QuantizedWeight
+from llmc.staging import OutputTaken, check_output, move_into_place, unique_sibling
 
 PackLinear = Callable[[str, QuantizedWeight], dict[str, torch.Tensor]]
 MANIFEST = "llmc.json"
+DRAFT_DIR = "draft"  # the draft heads, inside the artifact
 INDEX = "model.safetensors.index.json"
 JOURNAL = "resume.json"  # the finished work of a run in its staging folder: not part of the artifact
 KEPT = "kept"  # in place of the pid in a staging folder's name: kept by a run that stopped, no process uses it

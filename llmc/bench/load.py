@@ -45,7 +45,7 @@ async def stream_from_url(client: httpx.AsyncClient, url: str, model: str, promp
 
 async def stream_from_engine(engine: AsyncLLMEngine, prompt: str, max_tokens: int) -> AsyncIterator[int]:
     params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
-    [outputs] = engine.submit([(engine.engine.tokenize(prompt), params)])
+    [outputs] = await engine.submit([(engine.engine.tokenize(prompt), params)])
     try:
         async for output in outputs:
             yield len(output.new_token_ids)

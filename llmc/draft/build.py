@@ -9,7 +9,7 @@ import torch
 from tqdm import tqdm
 from transformers import AutoConfig
 
-from llmc.artifact.writer import MANIFEST, staged_copy, write_manifest
+from llmc.artifact.writer import DRAFT_DIR, MANIFEST, staged_copy, write_manifest
 from llmc.draft.config import DraftConfig
 from llmc.draft.data import DistillSet, cached_self_distill, distill_engine
 from llmc.draft.eagle3 import train_eagle3
@@ -31,7 +31,7 @@ from llmc.runtime.speculative.eagle import EagleDraft, EagleShape
 from llmc.runtime.speculative.eagle3 import default_aux_layers
 from llmc.runtime.speculative.medusa import MedusaHeads
 from llmc.runtime.speculative.shape import COMPARISON_CHAIN
-from llmc.runtime.speculative.store import DRAFT_DIR, save_draft, save_heads
+from llmc.runtime.speculative.store import save_draft, save_heads
 
 HELD_OUT_PROMPTS = 32  # held-out prompts a draft's acceptance is measured on, one at a time (batch 1, as the gate reads it)
 HELD_OUT_MAX_TOKENS = 128

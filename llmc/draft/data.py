@@ -18,9 +18,8 @@ import torch
 from safetensors.torch import load_file, save_file
 from tqdm import tqdm
 
-from llmc.artifact.output import unique_sibling
 from llmc.artifact.resume import REPORT_DIR
-from llmc.artifact.writer import MANIFEST
+from llmc.artifact.writer import DRAFT_DIR, MANIFEST
 from llmc.errors import LlmcError
 from llmc.models.spec import llmc_home
 from llmc.prompts import check_not_eval_set, distinct_prompts, read_prompt_texts
@@ -28,7 +27,7 @@ from llmc.runtime.engine.config import EngineConfig, native_bfloat16
 from llmc.runtime.engine.sequence import Sequence
 from llmc.runtime.llm_engine import LLMEngine
 from llmc.runtime.sampling_params import SamplingParams
-from llmc.runtime.speculative.store import DRAFT_DIR
+from llmc.staging import unique_sibling
 
 DISTILL_SEQS = 128  # answers generated side by side: on CPU, wider float32 matmuls cost less per token
 DISTILL_KV_GIB = 2.0  # their KV cache in float32 (46 KiB a token for SmolLM2): no preemption at 128 x ~250 tokens

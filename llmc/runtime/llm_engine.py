@@ -1,3 +1,4 @@
+import logging
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -16,6 +17,8 @@ from llmc.runtime.request_checks import RequestChecks, eos_token_ids
 from llmc.runtime.sampling_params import SamplingParams
 from llmc.runtime.speculative.decoder import SpeculativeDecoder
 
+logger = logging.getLogger(__name__)
+
 
 @dataclass(slots=True)
 class RequestOutput:
@@ -23,9 +26,16 @@ class RequestOutput:
     new_token_ids: list[int]
     new_text: str
     new_logprobs: list[SampledToken] = field(default_factory=list)
-    finish_reason: str | None = None  # "stop", "length" or "abort" once finished
+    finish_reason: str | None = None  # "stop", "length", "abort" or "error" once finished
     num_prompt_tokens: int = 0
     prompt_logprobs: list[SampledToken | None] | None = None  # on a request's first output, when its params ask
+    error: str | None = None  # with finish_reason "error": what went wrong
+
+
+def failed_output(request_id: str, error: BaseException | str) -> RequestOutput:
+    """The last output of a request that an error ended."""
+    message = error if isinstance(error, str) else f"{type(error).__name__}: {error}"
+    return RequestOutput(request_id, [], "", finish_reason="error", error=message)
 
 
 class LLMEngine:
@@ -91,28 +101,58 @@ class LLMEngine:
         return self.scheduler.has_unfinished()
 
     def step(self) -> list[RequestOutput]:
+        """One forward over the scheduled sequences. An error ends the requests it comes from alone: when the batch's
+        forward fails, each sequence is run again on its own, and those that fail alone end with finish_reason
+        "error"; the others go on."""
         seqs = self.scheduler.schedule()
         if not seqs:
             return []
-        sampled = self.runner.run(seqs)
+        try:
+            return self._advance(seqs, self.runner.run(seqs))
+        except Exception as error:  # noqa: BLE001 - whatever one request's step raises must not stop the engine
+            if len(seqs) == 1:
+                return [self._fail(seqs[0], error)]
+            logger.warning("a step of %d sequences failed (%s); running each on its own", len(seqs), error)
         outputs = []
         for seq in seqs:
-            tokens = sampled.get(seq, [])
-            seq.num_computed_tokens += seq.num_scheduled_tokens
-            if tokens:  # K/V past the accepted drafts is stale, and their slots are given back
-                seq.num_computed_tokens = min(seq.num_computed_tokens, len(seq) + len(tokens) - 1)
-            self.block_manager.cache_full_blocks(seq)
-            self.block_manager.release_out_of_window(seq)
-            if tokens and seq.params.max_tokens == 0:
-                outputs.append(self._finish_at_prompt(seq))
-                continue
-            for token in tokens:
-                outputs.append(self._append(seq, token))
-                if seq.is_finished:
-                    break
-            if not seq.is_finished:
-                self.block_manager.trim(seq)
+            try:
+                outputs += self._advance([seq], self.runner.run([seq]))
+            except Exception as error:  # noqa: BLE001
+                outputs.append(self._fail(seq, error))
         return outputs
+
+    def _advance(self, seqs: list[Sequence], sampled: dict[Sequence, list[SampledToken]]) -> list[RequestOutput]:
+        outputs = []
+        for seq in seqs:
+            try:
+                outputs += self._advance_one(seq, sampled.get(seq, []))
+            except Exception as error:  # noqa: BLE001 - a token the request's grammar or stop strings choke on
+                outputs.append(self._fail(seq, error))
+        return outputs
+
+    def _advance_one(self, seq: Sequence, tokens: list[SampledToken]) -> list[RequestOutput]:
+        seq.num_computed_tokens += seq.num_scheduled_tokens
+        if tokens:  # K/V past the accepted drafts is stale, and their slots are given back
+            seq.num_computed_tokens = min(seq.num_computed_tokens, len(seq) + len(tokens) - 1)
+        self.block_manager.cache_full_blocks(seq)
+        self.block_manager.release_out_of_window(seq)
+        if tokens and seq.params.max_tokens == 0:
+            return [self._finish_at_prompt(seq)]
+        outputs = []
+        for token in tokens:
+            outputs.append(self._append(seq, token))
+            if seq.is_finished:
+                break
+        if not seq.is_finished:
+            self.block_manager.trim(seq)
+        return outputs
+
+    def _fail(self, seq: Sequence, error: BaseException) -> RequestOutput:
+        logger.error("request %s failed: %s", seq.request_id, error, exc_info=error)
+        if not seq.is_finished:
+            self.scheduler.finish(seq, "error")
+        self.sequences.pop(seq.request_id, None)
+        return failed_output(seq.request_id, error)
 
     def _finish(self, seq: Sequence, reason: str) -> None:
         self.block_manager.cache_full_blocks(seq)

@@ -40,7 +40,10 @@ class RequestChecks:
         if any(not 0 <= token < self.vocab_size for token in token_ids):
             raise LlmcError(f"prompt token ids must be in [0, {self.vocab_size})")
 
-    def check_structured_output(self, params: SamplingParams) -> None:
-        """Refuses a schema the grammar compiler cannot compile (compiled once: it is cached)."""
+    def check_params(self, params: SamplingParams) -> None:
+        """Refuses stop token ids outside the vocabulary, and a schema the grammar compiler cannot compile (compiled
+        once: it is cached)."""
+        if any(not 0 <= token < self.vocab_size for token in params.stop_token_ids):
+            raise LlmcError(f"stop_token_ids must be in [0, {self.vocab_size})")
         if params.structured_output is not None:
             self.grammars.compile(params.structured_output)

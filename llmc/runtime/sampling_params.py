@@ -3,10 +3,13 @@ from dataclasses import dataclass, field
 from llmc.errors import LlmcError
 from llmc.runtime.structured_output import StructuredOutput
 
+# temperatures below this decode greedily, as in vLLM: dividing logits by a tinier one overflows to inf and NaN
+GREEDY_BELOW_TEMPERATURE = 1e-5
+
 
 @dataclass(slots=True)
 class SamplingParams:
-    temperature: float = 1.0  # 0 means greedy
+    temperature: float = 1.0  # below GREEDY_BELOW_TEMPERATURE (0 included) means greedy
     top_p: float = 1.0
     top_k: int = 0  # 0 means the whole vocabulary
     seed: int | None = None
@@ -36,4 +39,4 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0
+        return self.temperature < GREEDY_BELOW_TEMPERATURE

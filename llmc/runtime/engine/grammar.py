@@ -2,6 +2,7 @@
 on its sequence, and each sampling row's logits are masked to the tokens the grammar allows next. Draft trees are
 masked node by node, so verification never accepts a token the grammar rejects. xgrammar is imported on first use."""
 import json
+import threading
 
 import torch
 
@@ -18,19 +19,24 @@ def import_xgrammar():
     return xgrammar
 
 
+GRAMMAR_CACHE_BYTES = 256 * 2**20  # compiled grammars kept for reuse; the least recently used go past this
+
+
 class GrammarCompiler:
-    """Compiles StructuredOutputs for one tokenizer (xgrammar caches each distinct spec)."""
+    """Compiles StructuredOutputs for one tokenizer. xgrammar caches each distinct spec, up to GRAMMAR_CACHE_BYTES."""
 
     def __init__(self, tokenizer, vocab_size: int, stop_token_ids: set[int]):
         self._tokenizer, self._vocab_size, self._stop_token_ids = tokenizer, vocab_size, sorted(stop_token_ids)
         self._compiler = None
+        self._lock = threading.Lock()  # requests are checked on several threads; the compiler is made once
 
     def _xgrammar_compiler(self):
-        if self._compiler is None:
-            xgrammar = import_xgrammar()
-            info = xgrammar.TokenizerInfo.from_huggingface(self._tokenizer, vocab_size=self._vocab_size,
-                                                           stop_token_ids=self._stop_token_ids)
-            self._compiler = xgrammar.GrammarCompiler(info)
+        with self._lock:
+            if self._compiler is None:
+                xgrammar = import_xgrammar()
+                info = xgrammar.TokenizerInfo.from_huggingface(self._tokenizer, vocab_size=self._vocab_size,
+                                                               stop_token_ids=self._stop_token_ids)
+                self._compiler = xgrammar.GrammarCompiler(info, cache_limit_bytes=GRAMMAR_CACHE_BYTES)
         return self._compiler
 
     def compile(self, output: StructuredOutput):
@@ -41,7 +47,7 @@ class GrammarCompiler:
             if output.kind == "json_schema":
                 return compiler.compile_json_schema(output.spec, any_whitespace=False)
             return compiler.compile_structural_tag(output.spec)
-        except (RuntimeError, ValueError, TypeError) as error:
+        except Exception as error:  # noqa: BLE001 - xgrammar's errors for a schema it cannot take have no common type
             raise LlmcError(f"{output.field}: cannot be compiled to a grammar: {str(error).splitlines()[-1]}") from None
 
     def matcher(self, output: StructuredOutput):

@@ -1,13 +1,34 @@
 """The OpenAI request bodies the server accepts, and their translation into SamplingParams."""
 import json
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from llmc.errors import LlmcError
 from llmc.runtime.sampling_params import SamplingParams
+from llmc.runtime.serving.limits import (
+    INT64_MAX,
+    INT64_MIN,
+    MAX_CONTENT_PARTS,
+    MAX_INT32,
+    MAX_MESSAGES,
+    MAX_NAME_CHARS,
+    MAX_PROMPTS,
+    MAX_STOP_CHARS,
+    MAX_STOP_STRINGS,
+    MAX_STOP_TOKEN_IDS,
+    MAX_TOOL_CALLS,
+    MAX_TOOLS,
+)
 from llmc.runtime.serving.tool_calls import NamedToolChoice, ToolChoice, ToolDefinition, tool_grammar
 from llmc.runtime.structured_output import StructuredOutput
+
+TokenId = Annotated[int, Field(ge=0, le=MAX_INT32)]
+Count = Annotated[int, Field(ge=0, le=MAX_INT32)]
+Name = Annotated[str, Field(max_length=MAX_NAME_CHARS)]
+StopString = Annotated[str, Field(min_length=1, max_length=MAX_STOP_CHARS)]
+TextPrompts = Annotated[list[str], Field(max_length=MAX_PROMPTS)]
+TokenPrompts = Annotated[list[list[TokenId]], Field(max_length=MAX_PROMPTS)]
 
 COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 # OpenAI fields llmc does not implement, with the values that ask for nothing: sent with one of those they pass,
@@ -49,22 +70,33 @@ class ResponseFormat(BaseModel):
         return StructuredOutput("json_schema", json.dumps(self.json_schema.schema_))
 
 
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    include_usage: bool = False
+
+
+def wrapped_seed(seed: int) -> int:
+    """seed kept in torch's int64 range (seed + choice may pass its end)."""
+    return (seed - INT64_MIN) % 2**64 + INT64_MIN
+
+
 class SamplingRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    model: str | None = None
-    max_tokens: int | None = Field(default=None, ge=1)
-    temperature: float = Field(default=1.0, ge=0, le=2)
+    model: Name | None = None
+    max_tokens: int | None = Field(default=None, ge=1, le=MAX_INT32)
+    temperature: float = Field(default=1.0, ge=0, le=2)  # below 1e-5: greedy, as in vLLM
     top_p: float = Field(default=1.0, gt=0, le=1)
-    top_k: int = Field(default=0, ge=0)
-    seed: int | None = None
-    stop: str | list[str] | None = None
-    stop_token_ids: list[int] = []
+    top_k: Count = 0
+    seed: int | None = Field(default=None, ge=INT64_MIN, le=INT64_MAX)
+    stop: StopString | Annotated[list[StopString], Field(max_length=MAX_STOP_STRINGS)] | None = None
+    stop_token_ids: list[TokenId] = Field(default=[], max_length=MAX_STOP_TOKEN_IDS)
     ignore_eos: bool = False
     n: int = Field(default=1, ge=1, le=128)  # choices per prompt, OpenAI's bound
     stream: bool = False
-    stream_options: dict | None = None
-    user: str | None = None  # the client's end-user id; llmc keeps no per-user state, so it changes nothing
+    stream_options: StreamOptions | None = None
+    user: Name | None = None  # the client's end-user id; llmc keeps no per-user state, so it changes nothing
     response_format: ResponseFormat | None = None
 
     @model_validator(mode="before")
@@ -105,7 +137,7 @@ class SamplingRequest(BaseModel):
                 temperature=self.temperature,
                 top_p=self.top_p,
                 top_k=self.top_k,
-                seed=None if self.seed is None else self.seed + choice,
+                seed=None if self.seed is None else wrapped_seed(self.seed + choice),
                 max_tokens=self.resolved_max_tokens(prompt_len, max_model_len),
                 stop=[self.stop] if isinstance(self.stop, str) else list(self.stop or []),
                 stop_token_ids=self.stop_token_ids,
@@ -134,12 +166,12 @@ class SamplingRequest(BaseModel):
 
     @property
     def include_usage(self) -> bool:
-        return bool((self.stream_options or {}).get("include_usage"))
+        return self.stream_options is not None and self.stream_options.include_usage
 
 
 class CompletionRequest(SamplingRequest):
-    prompt: str | list[str] | list[int] | list[list[int]]
-    max_tokens: int | None = Field(default=COMPLETION_MAX_TOKENS, ge=0)  # 0, with echo: score the prompt only
+    prompt: str | TextPrompts | list[TokenId] | TokenPrompts
+    max_tokens: int | None = Field(default=COMPLETION_MAX_TOKENS, ge=0, le=MAX_INT32)  # 0, with echo: score the prompt only
     logprobs: int | None = Field(default=None, ge=0, le=20)
     echo: bool = False
 
@@ -172,46 +204,75 @@ class CompletionRequest(SamplingRequest):
         return list(prompt)
 
 
-class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="allow")
+class TextPart(BaseModel):
+    """A message's content part; llmc serves text models, so text is the one kind."""
 
-    role: str
-    content: str | list[dict] | None = None
-    tool_calls: list[dict] | None = None  # an assistant's earlier calls, arguments as a JSON string
-    tool_call_id: str | None = None  # a tool message's answer to that call
+    model_config = ConfigDict(extra="forbid")
+
+    type: Literal["text"]
+    text: str
+
+
+class CalledFunction(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    name: str = Field(max_length=64)
+    arguments: str | dict = "{}"  # a JSON object, as OpenAI sends it: a string
+
+
+class ToolCall(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    id: Name | None = None
+    type: Literal["function"] = "function"
+    function: CalledFunction
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    role: Literal["system", "developer", "user", "assistant", "tool"]  # developer: OpenAI's newer name for system
+    content: str | Annotated[list[TextPart], Field(max_length=MAX_CONTENT_PARTS)] | None = None
+    name: Name | None = None  # a participant's name, passed to the chat template
+    tool_calls: list[ToolCall] | None = Field(default=None, max_length=MAX_TOOL_CALLS)  # an assistant's earlier calls
+    tool_call_id: Name | None = None  # a tool message's answer to that call
 
     def text(self) -> str:
         if isinstance(self.content, list):
-            return "".join(part.get("text", "") for part in self.content if part.get("type") == "text")
+            return "".join(part.text for part in self.content)
         return self.content or ""
 
     def for_template(self) -> dict:
         """As chat templates take it: text content; a call's arguments as a dict."""
-        message = {"role": self.role, "content": self.text()}
+        message = {"role": "system" if self.role == "developer" else self.role, "content": self.text()}
+        if self.name is not None:
+            message["name"] = self.name
         if self.tool_calls:
-            message["tool_calls"] = [{"type": "function", "id": call.get("id"), "function": {
-                "name": call["function"]["name"], "arguments": parsed_arguments(call["function"].get("arguments"))}}
-                for call in self.tool_calls]
+            message["tool_calls"] = [{"type": "function", "id": call.id, "function": {
+                "name": call.function.name, "arguments": parsed_arguments(call.function.arguments)}} for call in self.tool_calls]
         if self.tool_call_id is not None:
             message["tool_call_id"] = self.tool_call_id
         return message
 
 
-def parsed_arguments(arguments: str | dict | None) -> dict:
-    if isinstance(arguments, dict) or arguments is None:
-        return arguments or {}
+def parsed_arguments(arguments: str | dict) -> dict:
+    if isinstance(arguments, dict):
+        return arguments
     try:
-        return json.loads(arguments)
+        parsed = json.loads(arguments)
     except json.JSONDecodeError:
-        raise LlmcError(f"messages: a tool call's arguments are not JSON: {arguments[:80]!r}") from None
+        parsed = None
+    if not isinstance(parsed, dict):
+        raise LlmcError(f"messages: a tool call's arguments are not a JSON object: {arguments[:80]!r}")
+    return parsed
 
 
 class ChatCompletionRequest(SamplingRequest):
-    messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = Field(default=None, ge=1)
+    messages: list[ChatMessage] = Field(min_length=1, max_length=MAX_MESSAGES)
+    max_completion_tokens: int | None = Field(default=None, ge=1, le=MAX_INT32)
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
-    tools: list[ToolDefinition] | None = None
+    tools: list[ToolDefinition] | None = Field(default=None, max_length=MAX_TOOLS)
     tool_choice: ToolChoice | None = None  # None: auto with tools, none without
     parallel_tool_calls: bool = True
 
@@ -231,9 +292,12 @@ class ChatCompletionRequest(SamplingRequest):
         return bool(self.tools) and self.tool_choice != "none"
 
     def structured_output(self) -> StructuredOutput | None:
-        if self.uses_tools:
+        if not self.uses_tools:
+            return super().structured_output()
+        try:
             return tool_grammar(self.tools, self.tool_choice or "auto", self.parallel_tool_calls)
-        return super().structured_output()
+        except Exception as error:  # xgrammar's errors for a parameters schema it cannot take have no common type
+            raise LlmcError(f"tools: their parameters cannot be made into a grammar: {error}") from None
 
     def resolved_max_tokens(self, prompt_len: int, max_model_len: int) -> int:
         if self.max_completion_tokens is not None:

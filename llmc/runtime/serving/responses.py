@@ -10,6 +10,8 @@ from dataclasses import replace
 
 from llmc.runtime.layers.sampler import SampledToken
 from llmc.runtime.llm_engine import RequestOutput
+from llmc.runtime.serving.async_engine import RequestFailed
+from llmc.runtime.serving.errors import ErrorBody, ErrorDetail
 from llmc.runtime.serving.tool_calls import ToolCallStream, parse_tool_calls
 
 
@@ -129,10 +131,16 @@ async def sse(header: dict, streams: list[AsyncIterator[RequestOutput]], decode:
         yield event(header | {"choices": opening})
     completion_tokens = 0
     tool_streams = [ToolCallStream() if parse_tools else None for _ in streams]
-    async with aclosing(merged(streams)) as outputs:  # a client gone closes this generator: stop the requests now
-        async for index, output in outputs:
-            completion_tokens += len(output.new_token_ids)
-            yield event(header | {"choices": [delta_choice(index, output, decode, chat, tool_streams[index])]})
+    try:
+        async with aclosing(merged(streams)) as outputs:  # a client gone closes this generator: stop the requests now
+            async for index, output in outputs:
+                completion_tokens += len(output.new_token_ids)
+                yield event(header | {"choices": [delta_choice(index, output, decode, chat, tool_streams[index])]})
+    except RequestFailed as failed:  # the status line has gone out: the error is the stream's last event
+        yield event(ErrorBody(error=ErrorDetail(message=f"the engine failed on this request: {failed}",
+                                                type="internal_server_error", code=500)).model_dump())
+        yield "data: [DONE]\n\n"
+        return
     if include_usage:
         yield event(header | {"choices": [], "usage": usage(prompt_tokens, completion_tokens)})
     yield "data: [DONE]\n\n"

@@ -3,6 +3,7 @@
 aborted and its blocks freed."""
 import asyncio
 import contextlib
+import logging
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -17,18 +18,17 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from llmc.errors import LlmcError
 from llmc.runtime.llm_engine import RequestOutput
 from llmc.runtime.request_checks import RequestChecks
-from llmc.runtime.serving.async_engine import EngineBusy, StreamingEngine
+from llmc.runtime.serving.async_engine import EngineBusy, EngineGone, RequestFailed, StreamingEngine
+from llmc.runtime.serving.errors import ERROR_RESPONSES, error_response
+from llmc.runtime.serving.guard import RequestGuard
+from llmc.runtime.serving.limits import MAX_REQUEST_BYTES
 from llmc.runtime.serving.metrics import ServerMetrics
 from llmc.runtime.serving.protocol import ChatCompletionRequest, CompletionRequest, SamplingRequest
 from llmc.runtime.serving.responses import completed, echoed, response_header, sse
 from llmc.runtime.serving.tool_calls import chat_prompt
 
+logger = logging.getLogger(__name__)
 DISCONNECT_POLL_SECONDS = 0.25
-
-
-def error_response(status: int, message: str, error_type: str, headers: dict | None = None) -> JSONResponse:
-    body = {"error": {"message": message, "type": error_type, "param": None, "code": status}}
-    return JSONResponse(body, status_code=status, headers=headers)
 
 
 class ClientGone(Exception):
@@ -39,16 +39,11 @@ class ModelNotFound(LlmcError):
     pass
 
 
-class Unauthorized(LlmcError):
-    pass
-
-
 @dataclass
 class ServerState:
     engine: StreamingEngine
     model_name: str
     metrics: ServerMetrics
-    api_key: str | None = None
 
     @property
     def checks(self) -> RequestChecks:
@@ -62,11 +57,6 @@ def server_state(request: Request) -> ServerState:
 State = Annotated[ServerState, Depends(server_state)]
 
 
-def check_api_key(request: Request, state: State) -> None:
-    if state.api_key and request.headers.get("authorization") != f"Bearer {state.api_key}":
-        raise Unauthorized("invalid or missing API key")
-
-
 def check_model(body: SamplingRequest, model_name: str) -> None:
     if body.model not in (None, model_name):
         raise ModelNotFound(f"model {body.model!r} is not served here; this server serves {model_name!r}")
@@ -75,12 +65,21 @@ def check_model(body: SamplingRequest, model_name: str) -> None:
 # exception handlers
 
 
-async def unauthorized(request: Request, error: Unauthorized) -> JSONResponse:
-    return error_response(401, str(error), "authentication_error")
-
-
 async def busy(request: Request, error: EngineBusy) -> JSONResponse:
     return error_response(503, str(error), "server_overloaded", headers={"Retry-After": "1"})
+
+
+async def engine_gone(request: Request, error: EngineGone) -> JSONResponse:
+    return error_response(503, str(error), "service_unavailable")
+
+
+async def request_failed(request: Request, error: RequestFailed) -> JSONResponse:
+    return error_response(500, f"the engine failed on this request: {error}", "internal_server_error")
+
+
+async def unexpected(request: Request, error: Exception) -> JSONResponse:
+    logger.error("%s %s failed", request.method, request.url.path, exc_info=error)
+    return error_response(500, f"internal error: {type(error).__name__}: {error}", "internal_server_error")
 
 
 async def unknown_model(request: Request, error: ModelNotFound) -> JSONResponse:
@@ -102,8 +101,10 @@ async def invalid_body(request: Request, error: RequestValidationError) -> JSONR
 
 # Starlette picks the handler of the nearest class in an error's MRO, so LlmcError only catches the rest.
 EXCEPTION_HANDLERS = {
-    Unauthorized: unauthorized,
     EngineBusy: busy,
+    EngineGone: engine_gone,
+    RequestFailed: request_failed,
+    Exception: unexpected,
     ModelNotFound: unknown_model,
     LlmcError: bad_request,
     RequestValidationError: invalid_body,
@@ -149,7 +150,7 @@ async def respond(request: Request, state: ServerState, body: SamplingRequest, p
     start = time.monotonic()
     max_model_len, decode = state.checks.max_model_len, state.checks.tokenizer.decode
     requests = [(prompt, params) for prompt in prompts for params in body.sampling_params(len(prompt), max_model_len)]
-    streams = [timed(stream, start, state.metrics) for stream in state.engine.submit(requests)]
+    streams = [timed(stream, start, state.metrics) for stream in await state.engine.submit(requests)]
     if body.echoes_prompt:
         streams = [echoed(stream, prompt, decode) for (prompt, _), stream in zip(requests, streams)]
     prompt_tokens = sum(map(len, prompts))
@@ -166,25 +167,37 @@ async def respond(request: Request, state: ServerState, body: SamplingRequest, p
 # routes
 
 
-v1 = APIRouter(prefix="/v1", dependencies=[Depends(check_api_key)])
+v1 = APIRouter(prefix="/v1", responses=ERROR_RESPONSES)
 operations = APIRouter()
 
 
 @v1.post("/completions")
 async def completions(body: CompletionRequest, request: Request, state: State):
     check_model(body, state.model_name)
-    prompts = [state.checks.tokenize(prompt) for prompt in body.prompts()]
+    tokenize = state.checks.tokenize
+    prompts = await asyncio.to_thread(lambda: [tokenize(prompt) for prompt in body.prompts()])  # off the event loop
     return await respond(request, state, body, prompts, chat=False)
+
+
+def rendered_chat(checks: RequestChecks, body: ChatCompletionRequest, model_name: str) -> list[int]:
+    """The conversation through the chat template, as tokens."""
+    from jinja2 import TemplateError
+
+    tokenizer = checks.tokenizer
+    if not tokenizer.chat_template:
+        raise LlmcError(f"{model_name} has no chat template; use /v1/completions")
+    try:
+        text = chat_prompt(tokenizer, body.conversation(), body.template_tools())
+    except TemplateError as error:  # a template's raise_exception: roles out of order, say
+        raise LlmcError(f"messages: the chat template refuses them: {error}") from None
+    return checks.tokenize(text)
 
 
 @v1.post("/chat/completions")
 async def chat_completions(body: ChatCompletionRequest, request: Request, state: State):
     check_model(body, state.model_name)
-    tokenizer = state.checks.tokenizer
-    if not tokenizer.chat_template:
-        raise LlmcError(f"{state.model_name} has no chat template; use /v1/completions")
-    text = chat_prompt(tokenizer, body.conversation(), body.template_tools())
-    return await respond(request, state, body, [state.checks.tokenize(text)], chat=True)
+    prompt = await asyncio.to_thread(rendered_chat, state.checks, body, state.model_name)  # off the event loop
+    return await respond(request, state, body, [prompt], chat=True)
 
 
 @v1.get("/models")
@@ -193,8 +206,13 @@ async def models(state: State):
     return {"object": "list", "data": [card]}
 
 
-@operations.get("/health")
-async def health():
+@operations.get("/health", responses={503: ERROR_RESPONSES[503]})
+async def health(state: State):
+    """200 while the engine serves; 503 once its process has died, or when it has not answered within the stall
+    bound (`llmc serve --health-stall-seconds`)."""
+    problem = state.engine.health()
+    if problem is not None:
+        return error_response(503, problem, "service_unavailable")
     return {"status": "ok"}
 
 
@@ -211,16 +229,25 @@ async def lifespan(app: FastAPI):
     engine.stop()
 
 
-def build_app(engine: StreamingEngine, model_name: str, api_key: str | None = None) -> FastAPI:
+def build_app(engine: StreamingEngine, model_name: str, api_key: str | None = None,
+              max_request_bytes: int = MAX_REQUEST_BYTES) -> FastAPI:
     app = FastAPI(title="llmc", lifespan=lifespan, exception_handlers=EXCEPTION_HANDLERS)
-    app.state.server = ServerState(engine, model_name, ServerMetrics(engine.stats), api_key)
+    app.state.server = ServerState(engine, model_name, ServerMetrics(engine.stats))
     app.include_router(v1)
     app.include_router(operations)
+    app.add_middleware(RequestGuard, api_key=api_key, max_request_bytes=max_request_bytes)
     return app
 
 
-def serve(engine: StreamingEngine, model_name: str, host: str, port: int, api_key: str | None) -> None:
-    """Serve until SIGINT/SIGTERM; on either, uvicorn stops accepting and lets running requests finish."""
+def serve(engine: StreamingEngine, model_name: str, host: str, port: int, api_key: str | None,
+          max_request_bytes: int = MAX_REQUEST_BYTES) -> None:
+    """Serve until SIGINT/SIGTERM; on either, uvicorn stops accepting and lets running requests finish. If the
+    engine dies, its open requests end with an error and the server stops: an LlmcError (a non-zero exit) says why."""
     import uvicorn
 
-    uvicorn.run(build_app(engine, model_name, api_key), host=host, port=port, log_level="info", timeout_graceful_shutdown=None)
+    app = build_app(engine, model_name, api_key, max_request_bytes)
+    server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="info", timeout_graceful_shutdown=None))
+    engine.on_failure = lambda: setattr(server, "should_exit", True)
+    server.run()
+    if engine.failure is not None:
+        raise LlmcError(f"the server stopped: {engine.failure}")

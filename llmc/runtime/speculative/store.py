@@ -8,12 +8,12 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 from transformers import LlamaConfig
 
+from llmc.artifact.writer import DRAFT_DIR
 from llmc.errors import LlmcError
 from llmc.runtime.speculative.eagle import EagleDraft, EagleShape
 from llmc.runtime.speculative.eagle3 import Eagle3Draft
 from llmc.runtime.speculative.medusa import MedusaHeads
 
-DRAFT_DIR = "draft"
 WEIGHTS = "heads.safetensors"
 
 

@@ -1,5 +1,5 @@
-"""The artifact's output folder: refused when it exists, unless overwriting was asked for (checked before any work,
-and again when the finished folder is moved into place), and the unique temporary names work is staged under."""
+"""Output folders: refused when they exist, unless overwriting was asked for (checked before any work, and again
+when the finished folder is moved into place), and the unique temporary names work is staged under."""
 import errno
 import os
 import secrets
