@@ -14,6 +14,7 @@ from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from llmc.errors import LlmcError
 from llmc.runtime.llm_engine import RequestOutput
@@ -77,6 +78,12 @@ async def request_failed(request: Request, error: RequestFailed) -> JSONResponse
     return error_response(500, f"the engine failed on this request: {error}", "internal_server_error")
 
 
+async def http_error(request: Request, error: StarletteHTTPException) -> Response:
+    """Starlette's and FastAPI's own refusals (a body that is not JSON, an unknown path or method) in OpenAI's shape."""
+    error_type = "not_found_error" if error.status_code == 404 else "invalid_request_error"
+    return error_response(error.status_code, str(error.detail), error_type, headers=error.headers)
+
+
 async def unexpected(request: Request, error: Exception) -> JSONResponse:
     logger.error("%s %s failed", request.method, request.url.path, exc_info=error)
     return error_response(500, f"internal error: {type(error).__name__}: {error}", "internal_server_error")
@@ -108,6 +115,7 @@ EXCEPTION_HANDLERS = {
     ModelNotFound: unknown_model,
     LlmcError: bad_request,
     RequestValidationError: invalid_body,
+    StarletteHTTPException: http_error,
 }
 
 
@@ -171,7 +179,11 @@ v1 = APIRouter(prefix="/v1", responses=ERROR_RESPONSES)
 operations = APIRouter()
 
 
-@v1.post("/completions")
+# a completion is JSON, or with "stream": true server-sent events
+GENERATION_RESPONSES = {200: {"description": "The completion", "content": {"application/json": {}, "text/event-stream": {}}}}
+
+
+@v1.post("/completions", responses=GENERATION_RESPONSES)
 async def completions(body: CompletionRequest, request: Request, state: State):
     check_model(body, state.model_name)
     tokenize = state.checks.tokenize
@@ -193,7 +205,7 @@ def rendered_chat(checks: RequestChecks, body: ChatCompletionRequest, model_name
     return checks.tokenize(text)
 
 
-@v1.post("/chat/completions")
+@v1.post("/chat/completions", responses=GENERATION_RESPONSES)
 async def chat_completions(body: ChatCompletionRequest, request: Request, state: State):
     check_model(body, state.model_name)
     prompt = await asyncio.to_thread(rendered_chat, state.checks, body, state.model_name)  # off the event loop
