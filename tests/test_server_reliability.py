@@ -61,11 +61,13 @@ def wait_until(condition, timeout: float = 60.0) -> None:
         time.sleep(0.05)
 
 
-def test_a_tiny_temperature_decodes_greedily_and_the_server_keeps_serving(server):
+def test_a_tiny_temperature_or_top_p_decodes_greedily_and_the_server_keeps_serving(server):
     greedy = completion(server, temperature=0, ignore_eos=True).json()["choices"][0]
     for temperature in (5e-324, 1e-6):
         tiny = completion(server, temperature=temperature, ignore_eos=True)
         assert tiny.status_code == 200 and tiny.json()["choices"][0] == greedy
+    tiny_top_p = completion(server, top_p=5e-324, ignore_eos=True)  # 0 in float32: the likeliest token is kept
+    assert tiny_top_p.status_code == 200 and tiny_top_p.json()["choices"][0] == greedy
     assert healthy(server) and completion(server).status_code == 200
 
 

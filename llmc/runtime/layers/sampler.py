@@ -21,6 +21,7 @@ def _filtered_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tens
         sorted_logits, order = logits.sort(descending=True)
         cumulative = sorted_logits.softmax(-1).cumsum(-1)
         outside = cumulative - sorted_logits.softmax(-1) >= params.top_p  # keeps the token that crosses top_p
+        outside[0] = False  # and the likeliest always: a top_p under float32's smallest value compares as 0
         logits = logits.masked_fill(outside.scatter(0, order, outside), float("-inf"))
     return logits
 
