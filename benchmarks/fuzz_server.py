@@ -3,7 +3,8 @@ subprocess, both generation endpoints, valid (positive) and invalid (negative) b
 status, 5xx and every failed check (collected, not stopped at), the server's RSS (HTTP process and the engine) at
 start and end, and /health at the end. tests/test_fuzz_server.py runs `fuzz` bounded for CI.
 
-    python benchmarks/fuzz_server.py /tmp/soak-artifact --examples 500 --threads 1 --json fuzz.json
+    python benchmarks/fuzz_server.py /tmp/soak-artifact --examples 500 --threads 1 --max-model-len 512 \
+        --served-model-in-valid-bodies --minutes 14 --json fuzz.json
 """
 import argparse
 import json
@@ -33,6 +34,7 @@ from schemathesis.core.failures import Failure, FailureGroup
 
 REPO = Path(__file__).resolve().parents[1]
 API_KEY = "fuzz-key"
+MODEL_NAME = "fuzz"  # the server's --served-model-name
 CHECKS = [not_a_server_error, status_code_conformance, content_type_conformance, response_schema_conformance,
           response_headers_conformance]
 GENERATION_PATHS = r"^/v1/(chat/)?completions$"
@@ -75,27 +77,34 @@ def failure_kinds(error: AssertionError) -> list[str]:
 
 
 def fuzz(base: str, examples_per_operation: int, api_key: str = API_KEY, timeout_s: float = 120,
-         progress_every: int = 0) -> FuzzReport:
+         progress_every: int = 0, served_model: str | None = None, seconds_per_run: float | None = None) -> FuzzReport:
     """Every generation operation of the server's schema, fed valid and invalid bodies; each response checked, and a
-    failed check or a transport error recorded with its request rather than raised."""
+    failed check or a transport error recorded with its request rather than raised. served_model: put in every valid
+    body's `model`, so that the generated requests reach the engine instead of a 404 for a made-up model name.
+    seconds_per_run: each operation and mode stops sending after this long (the examples left are skipped)."""
     schema = schemathesis.openapi.from_url(f"{base}/openapi.json").include(path_regex=GENERATION_PATHS)
     report = FuzzReport()
     for operation in (result.ok() for result in schema.get_all_operations()):
         for mode in GenerationMode:
             fuzz_operation(operation, mode, base, {"Authorization": f"Bearer {api_key}"}, examples_per_operation, timeout_s,
-                           progress_every, report)
+                           progress_every, served_model if mode == GenerationMode.POSITIVE else None, report,
+                           time.monotonic() + (seconds_per_run or float("inf")))
     return report
 
 
 def fuzz_operation(operation, mode: GenerationMode, base: str, headers: dict[str, str], examples: int, timeout_s: float,
-                   progress_every: int, report: FuzzReport) -> None:
+                   progress_every: int, served_model: str | None, report: FuzzReport, deadline: float) -> None:
     @given(case=operation.as_strategy(generation_mode=mode))
     @settings(max_examples=examples, deadline=None, phases=[Phase.explicit, Phase.generate],
               suppress_health_check=list(HealthCheck), database=None)
     def call(case):
+        if time.monotonic() > deadline:
+            return
         report.sent += 1
         if progress_every and report.sent % progress_every == 0:
             print(f"sent {report.sent}, statuses {report.statuses}, failed checks {report.failures_by_kind}", flush=True)
+        if served_model is not None and isinstance(case.body, dict) and "model" in case.body:
+            case.body["model"] = served_model
         count(report.sent_by_operation_and_mode, f"{operation.label} {mode.value}")
         try:
             response = case.call(base_url=base, headers=headers, timeout=timeout_s)
@@ -150,6 +159,7 @@ def llmc_serve(model: str, threads: int, api_key: str, log: Path, *options: str)
 class FuzzRun:
     model: str
     examples_per_operation: int
+    minutes_budget: float | None
     seconds: float
     rss_start_mib: float
     rss_end_mib: float
@@ -159,7 +169,8 @@ class FuzzRun:
 
 def print_run(run: FuzzRun) -> None:
     report = run.report
-    rows = [("examples per operation and mode", run.examples_per_operation), ("requests sent", report.sent),
+    rows = [("examples per operation and mode", run.examples_per_operation), ("time budget (min)", run.minutes_budget),
+            ("requests sent", report.sent), ("sent by operation and mode", report.sent_by_operation_and_mode),
             ("responses by status", dict(sorted(report.statuses.items()))), ("5xx", report.server_errors),
             ("failed checks by kind", dict(report.failures_by_kind) or "none"),
             ("RSS start / end (MiB)", f"{run.rss_start_mib:.0f} / {run.rss_end_mib:.0f}"),
@@ -174,15 +185,27 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("model", help="artifact folder or model spec for `llmc serve`")
     parser.add_argument("--examples", type=int, default=500, help="examples per operation and generation mode")
+    parser.add_argument("--minutes", type=float, help="time budget, shared equally by each operation and mode")
     parser.add_argument("--threads", type=int, default=1, help="the engine's CPU threads")
+    parser.add_argument("--max-model-len", type=int,
+                        help="the server's context: bounds how long a generated request without max_tokens decodes "
+                             "(the model's 8192 tokens take minutes on a CPU)")
+    parser.add_argument("--served-model-in-valid-bodies", action="store_true",
+                        help="valid bodies name the served model (else most get 404 for a made-up name)")
     parser.add_argument("--json", type=Path, help="write the figures here")
     args = parser.parse_args()
     log = Path(tempfile.mkdtemp(prefix="fuzz-server-")) / "server.log"
     print(f"server log: {log}", flush=True)
-    with llmc_serve(args.model, args.threads, API_KEY, log) as (pid, base):
+    options = ["--served-model-name", MODEL_NAME] if args.served_model_in_valid_bodies else []
+    if args.max_model_len:
+        options += ["--max-model-len", str(args.max_model_len)]
+    with llmc_serve(args.model, args.threads, API_KEY, log, *options) as (pid, base):
         rss_start, started = server_rss_mib(pid), time.monotonic()
-        report = fuzz(base, args.examples, progress_every=200)
-        run = FuzzRun(args.model, args.examples, time.monotonic() - started, rss_start, server_rss_mib(pid), health(base), report)
+        served_model = MODEL_NAME if args.served_model_in_valid_bodies else None
+        seconds_per_run = args.minutes * 60 / 4 if args.minutes else None  # two operations, two modes
+        report = fuzz(base, args.examples, progress_every=200, served_model=served_model, seconds_per_run=seconds_per_run)
+        seconds = time.monotonic() - started
+        run = FuzzRun(args.model, args.examples, args.minutes, seconds, rss_start, server_rss_mib(pid), health(base), report)
     print_run(run)
     if args.json:
         args.json.write_text(json.dumps(asdict(run), indent=2, default=str))
