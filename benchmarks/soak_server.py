@@ -14,6 +14,7 @@ sequence over all blocks: prefix-cached blocks no sequence holds count as free, 
 import argparse
 import asyncio
 import json
+import os
 import random
 import tempfile
 import time
@@ -340,6 +341,7 @@ class Progress:
     rss_mib: float
     kv_cache_usage: float
     health: int | str
+    load_average: float  # the machine's, over the last minute: it is shared
 
 
 async def every_minute(pid: int, base: str, report: SoakReport, started: float, deadline: float, log: list[Progress]) -> None:
@@ -347,7 +349,8 @@ async def every_minute(pid: int, base: str, report: SoakReport, started: float, 
         await asyncio.sleep(min(60, max(0.0, deadline - time.monotonic())))
         gauges = await engine_gauges(base)
         progress = Progress(round((time.monotonic() - started) / 60, 1), report.sent, report.server_errors, report.errors,
-                            round(server_rss_mib(pid), 1), gauges.kv_cache_usage, await asyncio.to_thread(health, base))
+                            round(server_rss_mib(pid), 1), gauges.kv_cache_usage, await asyncio.to_thread(health, base),
+                            os.getloadavg()[0])
         log.append(progress)
         print(" ".join(f"{key}={value}" for key, value in asdict(progress).items()), flush=True)
 
