@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from llmc.artifact.writer import DRAFT_DIR
+from llmc.artifact.reader import DRAFT_DIR
 from llmc.draft.data import self_distill
 from llmc.draft.losses import unrolled
 from llmc.runtime.models.loader import WeightLoader

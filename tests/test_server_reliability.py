@@ -82,6 +82,17 @@ def test_integers_and_lists_past_their_range_are_400s_naming_the_field_and_leak_
     assert server.engine.num_requests == 0 and completion(server).status_code == 200
 
 
+@pytest.mark.parametrize("path, body", [
+    ("completions", {"prompt": "a\ud800b"}), ("completions", {"prompt": "hi", "stop": ["\udfff"]}),
+    ("chat/completions", {"messages": [{"role": "user", "content": "\ud83d"}]}),
+])
+def test_text_that_is_not_unicode_is_a_400(server, path, body):
+    content = json.dumps({"model": "tiny", "max_tokens": 2} | body)  # ASCII escapes: valid JSON for half a surrogate pair
+    response = httpx.post(f"{server.base}/v1/{path}", content=content, headers=HEADERS | {"Content-Type": "application/json"})
+    assert response.status_code == 400 and "is not valid Unicode" in response.json()["error"]["message"]
+    assert server.engine.num_requests == 0
+
+
 def test_seeds_at_the_ends_of_their_range_are_served(server):
     for seed in (2**63 - 1, -(2**63)):
         choices = completion(server, seed=seed, n=2).json()["choices"]

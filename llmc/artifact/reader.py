@@ -16,6 +16,7 @@ from llmc.models.checkpoint import CheckpointReader
 from llmc.quant.qtypes import QuantArgs, QuantizedWeight
 from llmc.quant.targets import matches
 
+DRAFT_DIR = "draft"  # the draft heads, inside the artifact
 PACKED_SUFFIX = ".weight_packed"
 QUANT_METHODS = ("compressed-tensors", "gptq", "awq")
 KV_SCALES = ("k_scale", "v_scale")

@@ -16,10 +16,9 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from llmc.artifact.reader import Layout, dense_tensors
+from llmc.artifact.reader import DRAFT_DIR, Layout, dense_tensors
 from llmc.artifact.writer import (
     COMPLETE,
-    DRAFT_DIR,
     EVALS,
     JOURNAL,
     MANIFEST,

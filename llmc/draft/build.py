@@ -9,7 +9,8 @@ import torch
 from tqdm import tqdm
 from transformers import AutoConfig
 
-from llmc.artifact.writer import DRAFT_DIR, MANIFEST, staged_copy, write_manifest
+from llmc.artifact.reader import DRAFT_DIR
+from llmc.artifact.writer import MANIFEST, staged_copy, write_manifest
 from llmc.draft.config import DraftConfig
 from llmc.draft.data import DistillSet, cached_self_distill, distill_engine
 from llmc.draft.eagle3 import train_eagle3

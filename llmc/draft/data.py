@@ -18,8 +18,9 @@ import torch
 from safetensors.torch import load_file, save_file
 from tqdm import tqdm
 
+from llmc.artifact.reader import DRAFT_DIR
 from llmc.artifact.resume import REPORT_DIR
-from llmc.artifact.writer import DRAFT_DIR, MANIFEST
+from llmc.artifact.writer import MANIFEST
 from llmc.errors import LlmcError
 from llmc.models.spec import llmc_home
 from llmc.prompts import check_not_eval_set, distinct_prompts, read_prompt_texts

@@ -81,6 +81,23 @@ def wrapped_seed(seed: int) -> int:
     return (seed - INT64_MIN) % 2**64 + INT64_MIN
 
 
+def refuse_lone_surrogates(value: Any, path: str) -> None:
+    """JSON's \\ud800-style escapes can spell text that is not Unicode (half of a surrogate pair), which neither the
+    tokenizer nor the pipe to the engine can encode: refused by field."""
+    if isinstance(value, str):
+        try:
+            value.encode()
+        except UnicodeEncodeError:
+            raise LlmcError(f"{path or 'body'}: is not valid Unicode (it holds half of a surrogate pair)") from None
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            refuse_lone_surrogates(key, path)
+            refuse_lone_surrogates(item, f"{path}.{key}" if path else str(key))
+    elif isinstance(value, list):
+        for index, item in enumerate(value):
+            refuse_lone_surrogates(item, f"{path}.{index}")
+
+
 class SamplingRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
@@ -104,6 +121,7 @@ class SamplingRequest(BaseModel):
     def _refuse_what_is_not_implemented(cls, data: Any) -> Any:
         if not isinstance(data, dict):
             return data
+        refuse_lone_surrogates(data, "")
         for name, neutral in NOT_IMPLEMENTED.items():
             if name in data and data[name] is not None and data[name] not in neutral:
                 raise LlmcError(f"{name} is not supported by llmc serve")

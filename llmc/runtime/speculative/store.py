@@ -8,7 +8,7 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 from transformers import LlamaConfig
 
-from llmc.artifact.writer import DRAFT_DIR
+from llmc.artifact.reader import DRAFT_DIR
 from llmc.errors import LlmcError
 from llmc.runtime.speculative.eagle import EagleDraft, EagleShape
 from llmc.runtime.speculative.eagle3 import Eagle3Draft
