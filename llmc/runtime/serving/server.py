@@ -25,6 +25,7 @@ from llmc.runtime.serving.guard import RequestGuard
 from llmc.runtime.serving.limits import MAX_REQUEST_BYTES
 from llmc.runtime.serving.metrics import ServerMetrics
 from llmc.runtime.serving.protocol import ChatCompletionRequest, CompletionRequest, SamplingRequest
+from llmc.runtime.serving.response_schema import ChatCompletionResponse, CompletionResponse, generation_responses
 from llmc.runtime.serving.responses import completed, echoed, response_header, sse
 from llmc.runtime.serving.tool_calls import chat_prompt
 
@@ -179,11 +180,7 @@ v1 = APIRouter(prefix="/v1", responses=ERROR_RESPONSES)
 operations = APIRouter()
 
 
-# a completion is JSON, or with "stream": true server-sent events
-GENERATION_RESPONSES = {200: {"description": "The completion", "content": {"application/json": {}, "text/event-stream": {}}}}
-
-
-@v1.post("/completions", responses=GENERATION_RESPONSES)
+@v1.post("/completions", responses=generation_responses(CompletionResponse))
 async def completions(body: CompletionRequest, request: Request, state: State):
     check_model(body, state.model_name)
     tokenize = state.checks.tokenize
@@ -205,7 +202,7 @@ def rendered_chat(checks: RequestChecks, body: ChatCompletionRequest, model_name
     return checks.tokenize(text)
 
 
-@v1.post("/chat/completions", responses=GENERATION_RESPONSES)
+@v1.post("/chat/completions", responses=generation_responses(ChatCompletionResponse))
 async def chat_completions(body: ChatCompletionRequest, request: Request, state: State):
     check_model(body, state.model_name)
     prompt = await asyncio.to_thread(rendered_chat, state.checks, body, state.model_name)  # off the event loop
