@@ -124,6 +124,7 @@ class EngineProcess(StreamingEngine):
         self._loop: asyncio.AbstractEventLoop | None = None
         self._outbox: queue.SimpleQueue[bytes | None] = queue.SimpleQueue()
         self._writer = threading.Thread(target=self._write_commands, name="llmc-engine-writer", daemon=True)
+        self._writer.start()
         self._stall_seconds = stall_seconds
         self._last_reply = time.monotonic()
 
@@ -147,7 +148,6 @@ class EngineProcess(StreamingEngine):
         """On the server's event loop: outputs are read there as soon as the engine sends them."""
         self._loop = asyncio.get_running_loop()
         self._loop.add_reader(self._replies.fileno(), self._receive)
-        self._writer.start()
 
     def stop(self) -> None:
         if self._loop is not None and self.failure is None:
