@@ -98,8 +98,15 @@ def refuse_lone_surrogates(value: Any, path: str) -> None:
             refuse_lone_surrogates(item, f"{path}.{index}")
 
 
+def document_not_implemented(schema: dict) -> None:
+    """The OpenAPI schema lists the fields llmc does not implement with the one value each accepts (or null)."""
+    for name, neutral in NOT_IMPLEMENTED.items():
+        schema["properties"][name] = {"enum": [*neutral, None], "description": "Not implemented by llmc serve: only the "
+                                      "value that asks for nothing is accepted"}
+
+
 class SamplingRequest(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", json_schema_extra=document_not_implemented)
 
     model: Name | None = None
     max_tokens: int | None = Field(default=None, ge=1, le=MAX_INT32)
