@@ -77,18 +77,22 @@ def failure_kinds(error: AssertionError) -> list[str]:
 
 
 def fuzz(base: str, examples_per_operation: int, api_key: str = API_KEY, timeout_s: float = 120,
-         progress_every: int = 0, served_model: str | None = None, seconds_per_run: float | None = None) -> FuzzReport:
+         progress_every: int = 0, served_model: str | None = None, budget_s: float | None = None) -> FuzzReport:
     """Every generation operation of the server's schema, fed valid and invalid bodies; each response checked, and a
     failed check or a transport error recorded with its request rather than raised. served_model: put in every valid
     body's `model`, so that the generated requests reach the engine instead of a 404 for a made-up model name.
-    seconds_per_run: each operation and mode stops sending after this long (the examples left are skipped)."""
+    budget_s: each operation and mode gets an equal share of what is left of it when it starts (a run that ends
+    early leaves its time to the later ones), then skips the examples left."""
     schema = schemathesis.openapi.from_url(f"{base}/openapi.json").include(path_regex=GENERATION_PATHS)
+    # invalid bodies first: they are answered at once, and what they leave of the budget goes to the valid ones
+    modes = (GenerationMode.NEGATIVE, GenerationMode.POSITIVE)
+    runs = [(result.ok(), mode) for result in schema.get_all_operations() for mode in modes]
+    end = time.monotonic() + (budget_s or float("inf"))
     report = FuzzReport()
-    for operation in (result.ok() for result in schema.get_all_operations()):
-        for mode in GenerationMode:
-            fuzz_operation(operation, mode, base, {"Authorization": f"Bearer {api_key}"}, examples_per_operation, timeout_s,
-                           progress_every, served_model if mode == GenerationMode.POSITIVE else None, report,
-                           time.monotonic() + (seconds_per_run or float("inf")))
+    for index, (operation, mode) in enumerate(runs):
+        deadline = time.monotonic() + (end - time.monotonic()) / (len(runs) - index)
+        fuzz_operation(operation, mode, base, {"Authorization": f"Bearer {api_key}"}, examples_per_operation, timeout_s,
+                       progress_every, served_model if mode == GenerationMode.POSITIVE else None, report, deadline)
     return report
 
 
@@ -185,7 +189,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("model", help="artifact folder or model spec for `llmc serve`")
     parser.add_argument("--examples", type=int, default=500, help="examples per operation and generation mode")
-    parser.add_argument("--minutes", type=float, help="time budget, shared equally by each operation and mode")
+    parser.add_argument("--minutes", type=float, help="time budget, shared by each operation and mode")
     parser.add_argument("--threads", type=int, default=1, help="the engine's CPU threads")
     parser.add_argument("--max-model-len", type=int,
                         help="the server's context: bounds how long a generated request without max_tokens decodes "
@@ -202,8 +206,8 @@ def main() -> None:
     with llmc_serve(args.model, args.threads, API_KEY, log, *options) as (pid, base):
         rss_start, started = server_rss_mib(pid), time.monotonic()
         served_model = MODEL_NAME if args.served_model_in_valid_bodies else None
-        seconds_per_run = args.minutes * 60 / 4 if args.minutes else None  # two operations, two modes
-        report = fuzz(base, args.examples, progress_every=200, served_model=served_model, seconds_per_run=seconds_per_run)
+        budget_s = args.minutes * 60 if args.minutes else None
+        report = fuzz(base, args.examples, progress_every=200, served_model=served_model, budget_s=budget_s)
         seconds = time.monotonic() - started
         run = FuzzRun(args.model, args.examples, args.minutes, seconds, rss_start, server_rss_mib(pid), health(base), report)
     print_run(run)
