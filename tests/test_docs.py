@@ -137,3 +137,25 @@ def test_a_made_up_recipe_field_is_caught(tmp_path):
     assert recipe_blocks(f"```yaml\n{body}```\n")
     with pytest.raises(LlmcError, match="no_such_field"):
         load_shown_recipe(body, tmp_path)
+
+
+def anchors(text: str) -> set[str]:
+    """GitHub's anchors for the headings of a markdown file: lower case, punctuation dropped, spaces to hyphens."""
+    headings = re.findall(r"^#+\s+(.*)$", FENCE.sub("", text), re.M)
+    return {re.sub(r"[^\w\- ]", "", heading.lower()).replace(" ", "-") for heading in headings}
+
+
+@pytest.mark.parametrize("doc", DOCS, ids=lambda path: str(path.relative_to(ROOT)))
+def test_every_link_between_the_docs_resolves(doc):
+    """Moving text between files breaks links silently; each relative link must name a file and a heading there."""
+    broken = []
+    for target in re.findall(r"\]\(([^)\s]+)\)", FENCE.sub("", doc.read_text())):
+        if re.match(r"\w+://", target):
+            continue
+        path, _, anchor = target.partition("#")
+        file = (doc.parent / path).resolve() if path else doc
+        if not file.exists():
+            broken.append(target)
+        elif anchor and file.suffix == ".md" and anchor not in anchors(file.read_text()):
+            broken.append(target)
+    assert broken == []
