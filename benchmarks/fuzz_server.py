@@ -4,7 +4,7 @@ status, 5xx and every failed check (collected, not stopped at), the server's RSS
 start and end, and /health at the end. tests/test_fuzz_server.py runs `fuzz` bounded for CI.
 
     python benchmarks/fuzz_server.py /tmp/soak-artifact --examples 500 --threads 1 --max-model-len 512 \
-        --served-model-in-valid-bodies --minutes 14 --json fuzz.json
+        --served-model-in-valid-bodies --minutes 7 --json fuzz.json
 """
 import argparse
 import json
