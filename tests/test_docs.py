@@ -159,3 +159,11 @@ def test_every_link_between_the_docs_resolves(doc):
         elif anchor and file.suffix == ".md" and anchor not in anchors(file.read_text()):
             broken.append(target)
     assert broken == []
+
+
+@pytest.mark.parametrize("doc", DOCS, ids=lambda path: str(path.relative_to(ROOT)))
+def test_every_code_block_is_closed(doc):
+    """A fence left open (or doubled) when text is cut turns the prose after it into code, and hides it from the checks
+    above, which read commands from code blocks and prose apart."""
+    fences = [line for line in doc.read_text().splitlines() if line.startswith("```")]
+    assert len(fences) % 2 == 0 and all(line == "```" for line in fences[1::2]), fences
