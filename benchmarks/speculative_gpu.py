@@ -27,7 +27,7 @@ from llmc.runtime.speculative.store import save_draft, save_heads
 DRAFT_VOCAB_SIZE = {"Llama-3-8B": 32000, "SmolLM2-135M": 8192}
 SHAPES = ["3:0:0", "4:7:0"]  # a chain of 3 (the field's 3 steps, top-1), and the runtime's default tree drafted whole
 # mean accepted lengths on MT-bench: llmc's EAGLE-3 on SmolLM2 W4A16 (chain of 3, then the default shape, all 80
-# first turns: README, Draft heads) and EAGLE-3's for Llama-3.1-8B at 3 steps, top-1 (SpecForge's SpecBundle)
+# first turns: docs/speculative.md) and EAGLE-3's for Llama-3.1-8B at 3 steps, top-1 (SpecForge's SpecBundle)
 ACCEPTED = [2.11, 2.36, 2.90]
 
 

@@ -21,7 +21,7 @@ from llmc.runtime.speculative.stats import SpeculativeStats
 
 ROOT = Path(__file__).resolve().parents[1]
 MT_BENCH = ROOT.parent / "shared" / "data" / "mt_bench" / "question.jsonl"
-SHAPES = ["4:7:0.3", "4:7:0", "5:16:0", "6:32:0", "6:60:0"]  # README's table: the default, then wider trees
+SHAPES = ["4:7:0.3", "4:7:0", "5:16:0", "6:32:0", "6:60:0"]  # docs/benchmarks.md's table: the default, then wider trees
 
 
 @dataclass

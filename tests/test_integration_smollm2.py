@@ -47,7 +47,7 @@ def test_w4a16_perplexity_is_close_to_base(artifact):
         results[target] = perplexity(loaded.model, loaded.tokenizer, text, "wikitext2", seq_len=512, max_windows=2).perplexity
     base, quantized = results.values()
     assert 5 < base < 60
-    assert base < quantized < 1.6 * base  # symmetric g64 RTN costs ~38% on this model (README benchmarks)
+    assert base < quantized < 1.6 * base  # symmetric g64 RTN costs ~38% on this model (docs/benchmarks.md)
 
 
 def test_ctrl_c_after_a_layer_keeps_it_for_resume(tmp_path):

@@ -6,7 +6,7 @@ from pydantic import Field, field_validator, model_validator
 from llmc.schema import StrictModel
 
 # training steps: Medusa heads learn fast; EAGLE's layers see 512 tokens a step, EAGLE-3's cost more (steps=2000 is its
-# smaller setting; what each costs: README, Draft heads)
+# smaller setting; what each costs: docs/speculative.md)
 STEPS = {"medusa": 300, "eagle": 6000, "eagle3": 6000}
 
 

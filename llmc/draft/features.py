@@ -1,8 +1,8 @@
 """Where EAGLE-3 training reads the target's features (final hidden states and the aux layers' residual stream) for
 its sequences: stored by the distillation beside the answers, or computed again while training by the engine's
 prefill over each sequence (SpecForge's online mode). Stored features take 8 bytes per hidden unit and token on disk
-and 10 in memory, which an 8B model's hidden size turns into more than a GPU machine's disk holds (README, Draft
-heads); online, the answers' token ids are all that is kept and every step runs the target over its
+and 10 in memory, which an 8B model's hidden size turns into more than a GPU machine's disk holds
+(docs/speculative.md); online, the answers' token ids are all that is kept and every step runs the target over its
 sequences: cheap on a GPU, a few times the draft's own step on a CPU. `draft.features: auto` reads them online on a
 GPU and stored on a CPU."""
 import shutil

@@ -60,7 +60,7 @@ class EngineConfig:
 
 def native_bfloat16(device: str) -> bool:
     """Whether bfloat16 matmuls run in hardware. A CPU without AVX-512 BF16 or AMX has torch emulate them, at several
-    times float32's cost (README, Draft heads)."""
+    times float32's cost (docs/speculative.md)."""
     if device.startswith("cuda"):
         return True
     return torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()

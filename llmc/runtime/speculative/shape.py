@@ -1,5 +1,5 @@
 """A draft's shape: how deep it drafts, how many tree nodes are verified, and how probable a path must be to be
-verified; each method's default is the shape that decoded fastest at batch 1 on SmolLM2 (README, Benchmarks:
+verified; each method's default is the shape that decoded fastest at batch 1 on SmolLM2 (docs/benchmarks.md:
 benchmarks/speculative_shapes.py)."""
 from dataclasses import dataclass
 
