@@ -55,6 +55,19 @@ def apply_command(engine: LLMEngine, command: EngineCommand, is_wanted: bool = T
     return None
 
 
+def apply_commands(engine: LLMEngine, commands: list[EngineCommand],
+                   is_wanted: Callable[[str], bool] = lambda request_id: True) -> tuple[list[RequestOutput], bool]:
+    """The commands in order, up to a stop: the failed outputs of the adds the engine could not take, and whether a
+    stop came (the engine's loop then ends)."""
+    failed = []
+    for command in commands:
+        if command.kind == "stop":
+            return failed, True
+        output = apply_command(engine, command, is_wanted(command.request_id))
+        failed += [output] if output is not None else []
+    return failed, False
+
+
 class StreamingEngine:
     checks: RequestChecks
 
@@ -180,12 +193,9 @@ class AsyncLLMEngine(StreamingEngine):
             commands = [] if self.engine.has_unfinished() else [self._commands.get()]  # idle: sleep until there is work
             while not self._commands.empty():
                 commands.append(self._commands.get())
-            outputs = []
-            for command in commands:
-                if command.kind == "stop":
-                    return
-                failed = apply_command(self.engine, command, command.request_id in self._streams)
-                outputs += [failed] if failed is not None else []
+            outputs, stop = apply_commands(self.engine, commands, self._streams.__contains__)
+            if stop:
+                return
             for output in outputs + self.engine.step():
                 destination = self._destination(output)
                 if destination is not None:

@@ -21,7 +21,7 @@ from llmc.runtime.engine_stats import EngineStats
 from llmc.runtime.llm_engine import LLMEngine, RequestOutput
 from llmc.runtime.request_checks import RequestChecks, eos_token_ids
 from llmc.runtime.serving import DEFAULT_MAX_WAITING
-from llmc.runtime.serving.async_engine import EngineCommand, StreamingEngine, apply_command
+from llmc.runtime.serving.async_engine import EngineCommand, StreamingEngine, apply_commands
 from llmc.runtime.serving.limits import HEALTH_STALL_SECONDS
 
 logger = logging.getLogger(__name__)
@@ -80,12 +80,9 @@ def run_engine(folder: str, config: EngineConfig, threads: int, commands: Connec
                     pending.append(inbox.get(timeout=HEARTBEAT_SECONDS))
             while not inbox.empty():
                 pending.append(inbox.get())
-            outputs = []
-            for command in pending:
-                if command.kind == "stop":
-                    return
-                failed = apply_command(engine, command)
-                outputs += [failed] if failed is not None else []
+            outputs, stop = apply_commands(engine, pending)
+            if stop:
+                return
             outputs += engine.step()
             # an abort changes the counters without an output; the heartbeat tells the server the engine is alive
             if outputs or pending or time.monotonic() - last_reply > HEARTBEAT_SECONDS:
