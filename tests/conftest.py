@@ -166,6 +166,14 @@ def trained(tmp_path_factory, distilled) -> tuple[Path, list[list[int]]]:
     return folder, [ids[:start] for ids, start in zip(distilled.token_ids, distilled.answer_starts)]
 
 
+def wait_until(condition, timeout: float = 60.0) -> None:
+    """Wait for a state change driven by another thread (never a speed assertion: the bound is generous)."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "condition not reached"
+        time.sleep(0.02)
+
+
 @contextmanager
 def llmc_serve(artifact: Path, *options: str, timeout: float = 180) -> Iterator[tuple[subprocess.Popen, str]]:
     """`llmc serve ARTIFACT OPTIONS` as a real subprocess on a free port, once /health answers: (process, base url).

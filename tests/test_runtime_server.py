@@ -2,14 +2,13 @@ import asyncio
 import json
 import os
 import signal
-import time
 
 import httpx
 import jsonschema
 import openai
 import pytest
 import torch
-from conftest import CORPUS, in_process_server, llmc_serve, write_recipe
+from conftest import CORPUS, in_process_server, llmc_serve, wait_until, write_recipe
 
 from llmc.pipeline import run_quantize
 from llmc.recipe import load_recipe
@@ -28,14 +27,6 @@ def artifact(tmp_path_factory, tiny_llama):
     folder = tmp_path_factory.mktemp("served")
     stage = "  - type: rtn\n    scheme: W4A16\n    weights: {group_size: 32}\n"
     return run_quantize(load_recipe(write_recipe(folder / "recipe.yaml", tiny_llama, folder / "artifact", stage)))
-
-
-def wait_until(condition, timeout: float = 60.0) -> None:
-    """Wait for a state change driven by another thread (never a speed assertion: the bound is generous)."""
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < deadline, "condition not reached"
-        time.sleep(0.02)
 
 
 @pytest.fixture(scope="module")

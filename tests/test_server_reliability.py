@@ -11,7 +11,7 @@ import time
 import httpx
 import pytest
 import torch
-from conftest import CORPUS, build_tiny_model, in_process_server
+from conftest import CORPUS, build_tiny_model, in_process_server, wait_until
 
 from llmc.runtime.engine.config import EngineConfig
 from llmc.runtime.llm_engine import LLMEngine
@@ -52,13 +52,6 @@ def completion(server, **fields) -> httpx.Response:
 
 def healthy(server) -> bool:
     return httpx.get(f"{server.base}/health", timeout=10).status_code == 200
-
-
-def wait_until(condition, timeout: float = 60.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < deadline, "condition not reached"
-        time.sleep(0.05)
 
 
 def test_a_tiny_temperature_or_top_p_decodes_greedily_and_the_server_keeps_serving(server):

@@ -5,8 +5,8 @@ import json
 import jsonschema
 import pytest
 import torch
-from conftest import build_tiny_model, in_process_server
-from test_runtime_server import API_KEY, idle, post, wait_until
+from conftest import build_tiny_model, in_process_server, wait_until
+from test_runtime_server import API_KEY, idle, post
 from transformers import AutoTokenizer
 
 from llmc.runtime.engine.config import EngineConfig
