@@ -16,7 +16,7 @@ import llmc
 from llmc.artifact.export import exporter_for
 from llmc.artifact.reader import layout_of
 from llmc.artifact.resume import REPORT_DIR, Journal, journaled, resumable_staging, resumed_journal, resumption, run_fingerprint
-from llmc.artifact.writer import COMPLETE, DRAFT, EVALS, WRITTEN, ShardWriter, staged_folder, write_manifest
+from llmc.artifact.writer import COMPLETE, DRAFT, EVALS, RECIPE, WRITTEN, ShardWriter, staged_folder, write_manifest
 from llmc.calib.data import load_calibration
 from llmc.calib.driver import build_skeleton, decoder_layers, decoder_linears, quantize_layerwise
 from llmc.calib.memory import estimate_memory, require_fits
@@ -121,7 +121,7 @@ def run_quantize(recipe: Recipe, overwrite: bool = False, eval_inputs: EvalInput
             for name in exporter.extra_files:
                 (staging / name).write_text(json.dumps(quantization, indent=2, sort_keys=True) + "\n")
             tokenizer.save_pretrained(staging)
-            (staging / "recipe.yaml").write_text(recipe.to_yaml())
+            (staging / RECIPE).write_text(recipe.to_yaml())
             journal.record_written({"quantize_s": time.perf_counter() - started, "memory": quantize_memory})
         if COMPLETE not in journal.phases:
             try:

@@ -24,6 +24,7 @@ from llmc.staging import OutputTaken, check_output, move_into_place, unique_sibl
 
 PackLinear = Callable[[str, QuantizedWeight], dict[str, torch.Tensor]]
 MANIFEST = "llmc.json"
+RECIPE = "recipe.yaml"  # the recipe that made the artifact
 INDEX = "model.safetensors.index.json"
 JOURNAL = "resume.json"  # the finished work of a run in its staging folder: not part of the artifact
 KEPT = "kept"  # in place of the pid in a staging folder's name: kept by a run that stopped, no process uses it

@@ -20,7 +20,7 @@ from tqdm import tqdm
 
 from llmc.artifact.reader import DRAFT_DIR
 from llmc.artifact.resume import REPORT_DIR
-from llmc.artifact.writer import MANIFEST
+from llmc.artifact.writer import MANIFEST, RECIPE
 from llmc.errors import LlmcError
 from llmc.models.spec import llmc_home
 from llmc.prompts import check_not_eval_set, distinct_prompts, read_prompt_texts
@@ -34,7 +34,7 @@ DISTILL_SEQS = 128  # answers generated side by side: on CPU, wider float32 matm
 DISTILL_KV_GIB = 2.0  # their KV cache in float32 (46 KiB a token for SmolLM2): no preemption at 128 x ~250 tokens
 DISTILL_PART = 256  # answers saved together as they finish: an interrupted distillation resumes from those it saved
 DISTILL_MAX_LEN = 1024  # tokens of prompt + answer
-NOT_THE_MODEL = {REPORT_DIR, DRAFT_DIR, "recipe.yaml"}  # an artifact's files that do not change its answers
+NOT_THE_MODEL = {REPORT_DIR, DRAFT_DIR, RECIPE}  # an artifact's files that do not change its answers
 
 
 @dataclass(slots=True)
