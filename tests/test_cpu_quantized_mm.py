@@ -9,6 +9,7 @@ from llmc.quant.quantized_mm import codes_mm, int8_mm, quantized_linear, scale_s
 from llmc.runtime.layers import cpu_int8_gemm, cpu_quantized_mm
 from llmc.runtime.layers.linear import build_linear
 from llmc.runtime.layers.linear_weight import LinearWeight
+from llmc.runtime.layers.onednn_packed import onednn_runs_bfloat16
 from llmc.runtime.layers.quantized_input_linear import QuantizedInputLinear
 
 PER_TOKEN = QuantArgs(num_bits=8, strategy="token", dynamic=True)
@@ -109,8 +110,10 @@ def test_fp8_layer_in_bfloat16_runs_packed_codes_close_to_float32_and_rows_get_t
     weight = quantize_weight(torch.randn(96, 200, generator=torch.Generator().manual_seed(1)), args)
     weight.input_activations = FP8_PER_TOKEN
     layer = build_linear([LinearWeight(weight)], torch.bfloat16, "cpu")
-    assert isinstance(layer.kernels.codes_matmul, cpu_quantized_mm.PackedFp8Matmul) and layer.codes.dtype == torch.float8_e4m3fn
-    assert layer.kernels.quantize_input is cpu_quantized_mm.quantize_fp8_as_bfloat16
+    packed = onednn_runs_bfloat16()  # oneDNN's bfloat16 GEMM needs AVX-512 or AVX-NE-CONVERT
+    assert isinstance(layer.kernels.codes_matmul, cpu_quantized_mm.PackedFp8Matmul) == packed
+    assert (layer.codes.dtype == torch.float8_e4m3fn) == packed
+    assert (layer.kernels.quantize_input is cpu_quantized_mm.quantize_fp8_as_bfloat16) == packed
     x = inputs(torch.bfloat16)
     out = layer(x)
     reference = build_linear([LinearWeight(weight)], torch.float32, "cpu")(x.float())
