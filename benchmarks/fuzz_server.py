@@ -148,7 +148,7 @@ def health(base: str) -> int | str:
 @contextmanager
 def llmc_serve(model: str, threads: int, api_key: str, log: Path, *options: str) -> Iterator[tuple[int, str]]:
     """`llmc serve MODEL` as a subprocess on a free port, once /health answers: (its pid, base url)."""
-    from llmc.server_process import free_port, served
+    from llmc.external.server_process import free_port, served
 
     port = free_port()
     base = f"http://127.0.0.1:{port}"

@@ -18,14 +18,14 @@ from dataclasses import dataclass, replace
 import torch
 from transformers import LlamaConfig
 
+from llmc.core.integers import cdiv
 from llmc.quant.qtypes import QuantArgs, QuantizedWeight
-from llmc.runtime.cdiv import cdiv
 from llmc.runtime.engine.config import EngineConfig
 from llmc.runtime.engine.model_runner import ModelRunner
 from llmc.runtime.engine.sequence import Sequence
 from llmc.runtime.layers.linear import build_linear
 from llmc.runtime.layers.linear_weight import LinearWeight
-from llmc.runtime.llm_engine import LLMEngine
+from llmc.runtime.llm import LLM
 from llmc.runtime.sampling_params import SamplingParams
 
 MODELS = {
@@ -169,7 +169,7 @@ def model_config(model: str, sizes: Sizes) -> LlamaConfig:
 
 
 def build_engine(model: str, fmt: Format, sizes: Sizes, dtype: torch.dtype, device: str, enforce_eager: bool,
-                 **settings) -> LLMEngine:
+                 **settings) -> LLM:
     """An engine over random weights of model in fmt; settings: further EngineConfig fields (e.g. a draft)."""
     config = model_config(model, sizes)
     context = sizes.prompt_len + sizes.new_tokens
@@ -180,15 +180,15 @@ def build_engine(model: str, fmt: Format, sizes: Sizes, dtype: torch.dtype, devi
     )
     torch.manual_seed(0)
     runner = ModelRunner(config, RandomWeights(config, fmt, dtype, device), engine_config)
-    return LLMEngine.from_runner(f"random {model}", runner, TokenIds(), engine_config)
+    return LLM.from_runner(f"random {model}", runner, TokenIds(), engine_config)
 
 
-def prompts(engine: LLMEngine, count: int, length: int) -> list[list[int]]:
+def prompts(engine: LLM, count: int, length: int) -> list[list[int]]:
     generator = torch.Generator().manual_seed(1)
     return torch.randint(0, engine.runner.hf_config.vocab_size, (count, length), generator=generator).tolist()
 
 
-def timed_decode(engine: LLMEngine, sizes: Sizes) -> tuple[float, int, Sequence]:
+def timed_decode(engine: LLM, sizes: Sizes) -> tuple[float, int, Sequence]:
     """One greedy request at batch 1 after a warm-up: the seconds and engine steps of its decode (the prefill step,
     which emits the first token, left out), and the request."""
     params = SamplingParams(temperature=0, max_tokens=sizes.new_tokens, ignore_eos=True)
@@ -203,13 +203,13 @@ def timed_decode(engine: LLMEngine, sizes: Sizes) -> tuple[float, int, Sequence]
     return time.perf_counter() - start, num_steps, seq
 
 
-def batch1_decode(engine: LLMEngine, sizes: Sizes) -> tuple[float, list[int]]:
+def batch1_decode(engine: LLM, sizes: Sizes) -> tuple[float, list[int]]:
     """Tokens/s of the decode steps alone and the tokens, for comparisons."""
     seconds, _, seq = timed_decode(engine, sizes)
     return (sizes.new_tokens - 1) / seconds, seq.output_token_ids
 
 
-def throughput(engine: LLMEngine, sizes: Sizes) -> float:
+def throughput(engine: LLM, sizes: Sizes) -> float:
     """Output tokens/s with `concurrency` requests in flight from the start, prefills included."""
     params = SamplingParams(temperature=0, max_tokens=sizes.new_tokens, ignore_eos=True)
     start = time.perf_counter()
@@ -217,7 +217,7 @@ def throughput(engine: LLMEngine, sizes: Sizes) -> float:
     return sizes.concurrency * sizes.new_tokens / (time.perf_counter() - start)
 
 
-def kv_bytes_per_token(engine: LLMEngine, sizes: Sizes) -> float:
+def kv_bytes_per_token(engine: LLM, sizes: Sizes) -> float:
     """K and V read by one decode step, at the mean context length of the batch-1 run."""
     _, layers, _, _, kv_heads, head_dim = engine.runner.kv_cache.shape
     mean_context = sizes.prompt_len + sizes.new_tokens / 2

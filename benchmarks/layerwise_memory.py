@@ -21,7 +21,7 @@ def make_checkpoint(folder: Path, num_layers: int, hidden: int) -> Path:
     code = f"""
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, AutoTokenizer
-from llmc.models.spec import resolve_model
+from llmc.checkpoints.spec import resolve_model
 config = LlamaConfig(vocab_size=49152, hidden_size={hidden}, intermediate_size={hidden * 11 // 4},
     num_hidden_layers={num_layers}, num_attention_heads={hidden // 64}, num_key_value_heads={hidden // 256},
     tie_word_embeddings=True)

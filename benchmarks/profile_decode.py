@@ -11,13 +11,13 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from llmc.runtime.engine.config import EngineConfig
-from llmc.runtime.llm_engine import LLMEngine
+from llmc.runtime.llm import LLM
 from llmc.runtime.sampling_params import SamplingParams
 
 PROMPT = "Explain in a few paragraphs why the sky is blue, and what sunsets have to do with it."
 
 
-def decode_steps(engine: LLMEngine, batch: int, steps: int) -> float:
+def decode_steps(engine: LLM, batch: int, steps: int) -> float:
     """Seconds per step once every sequence decodes (their prefill is done first, outside the timing)."""
     params = SamplingParams(temperature=0, max_tokens=steps + 8, ignore_eos=True)
     for index in range(batch):
@@ -46,7 +46,7 @@ def main() -> None:
     parser.add_argument("--no-dense-copy", action="store_true", help="Int4 layers without a bfloat16 copy for many-row steps.")
     parser.add_argument("--max-eager-int4-rows", type=int, default=EngineConfig().max_eager_int4_rows)
     args = parser.parse_args()
-    engine = LLMEngine(args.artifact, EngineConfig(dtype=getattr(torch, args.dtype), enable_prefix_caching=False,
+    engine = LLM(args.artifact, EngineConfig(dtype=getattr(torch, args.dtype), enable_prefix_caching=False,
                                                    compile=args.compile, dense_weights=args.dense_weights,
                                                    amx_int4=not args.no_amx, int4_dense_copy=not args.no_dense_copy,
                                                    max_eager_int4_rows=args.max_eager_int4_rows))

@@ -130,7 +130,7 @@ def llmcompressor_worker(model: str, method: str, symmetric: bool, ids_file: str
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from llmc.models.spec import resolve_model
+    from llmc.checkpoints.spec import resolve_model
 
     # llm-compressor 0.14's AWQ pins its activation cache, which raises without an accelerator; on CPU pinning
     # would only speed up host-to-device copies that never happen
@@ -177,7 +177,7 @@ def quality_table(args) -> list[dict]:
     from transformers import AutoTokenizer
 
     from llmc.calib.data import CalibrationConfig, load_calibration
-    from llmc.models.spec import resolve_model
+    from llmc.checkpoints.spec import resolve_model
 
     text = (DATA / "wikitext-2-raw" / "wiki.test.raw").read_text()
     base = args.fp32_perplexity or perplexity_of(args.model, text, args.windows)

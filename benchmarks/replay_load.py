@@ -11,7 +11,7 @@ import time
 from pathlib import Path
 
 from llmc.runtime.engine.config import EngineConfig
-from llmc.runtime.llm_engine import LLMEngine
+from llmc.runtime.llm import LLM
 from llmc.runtime.sampling_params import SamplingParams
 
 MT_BENCH = Path(__file__).resolve().parents[2] / "shared" / "data" / "mt_bench" / "question.jsonl"
@@ -26,7 +26,7 @@ def main() -> None:
     parser.add_argument("--no-cpu-decode-kernel", action="store_true", help="Decode attention on the torch reference.")
     parser.add_argument("--no-int4-dense-copy", action="store_true", help="Int4 layers on the int4 kernel for every step.")
     args = parser.parse_args()
-    engine = LLMEngine(args.artifact, EngineConfig(cpu_decode_kernel=not args.no_cpu_decode_kernel,
+    engine = LLM(args.artifact, EngineConfig(cpu_decode_kernel=not args.no_cpu_decode_kernel,
                                                    int4_dense_copy=not args.no_int4_dense_copy))
     questions = [json.loads(line)["turns"][0] for line in MT_BENCH.read_text().splitlines() if line.strip()]
     prompts = [engine.tokenizer.apply_chat_template([{"role": "user", "content": question}], add_generation_prompt=True,

@@ -27,7 +27,7 @@ def make_checkpoint(folder: Path, num_layers: int) -> Path:
     code = f"""
 import torch
 from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
-from llmc.models.spec import resolve_model
+from llmc.checkpoints.spec import resolve_model
 config = LlamaConfig(num_hidden_layers={num_layers}, **{LLAMA_3_8B!r})
 torch.manual_seed(0)
 with torch.device("cuda" if torch.cuda.is_available() else "cpu"):

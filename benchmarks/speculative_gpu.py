@@ -20,7 +20,7 @@ from gpu_bench import FORMATS, MODELS, Sizes, build_engine, model_config, timed_
 from speculative_shapes import shape_settings
 from transformers import LlamaConfig
 
-from llmc.runtime.llm_engine import LLMEngine
+from llmc.runtime.llm import LLM
 from llmc.runtime.speculative.eagle3 import Eagle3Draft, default_aux_layers, eagle3_config
 from llmc.runtime.speculative.store import save_draft, save_heads
 
@@ -44,7 +44,7 @@ def random_eagle3_draft(target: LlamaConfig, draft_vocab_size: int, folder: Path
     return folder
 
 
-def step_cost(engine: LLMEngine, sizes: Sizes) -> tuple[float, float]:
+def step_cost(engine: LLM, sizes: Sizes) -> tuple[float, float]:
     """(milliseconds per decode step, tokens per step) of one greedy request at batch 1 (gpu_bench.timed_decode)."""
     seconds, num_steps, seq = timed_decode(engine, sizes)
     return 1000 * seconds / num_steps, (seq.num_output_tokens - 1) / num_steps

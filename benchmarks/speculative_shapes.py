@@ -12,12 +12,12 @@ from pathlib import Path
 
 import torch
 
+from llmc.core.prompts import distinct_prompts
 from llmc.evals.speculative import timed_generate
-from llmc.prompts import distinct_prompts
 from llmc.runtime.engine.config import EngineConfig
-from llmc.runtime.llm_engine import LLMEngine
+from llmc.runtime.engine.engine_stats import SpeculativeStats
+from llmc.runtime.llm import LLM
 from llmc.runtime.sampling_params import SamplingParams
-from llmc.runtime.speculative.stats import SpeculativeStats
 
 ROOT = Path(__file__).resolve().parents[1]
 MT_BENCH = ROOT.parent / "shared" / "data" / "mt_bench" / "question.jsonl"
@@ -27,7 +27,7 @@ SHAPES = ["4:7:0.3", "4:7:0", "5:16:0", "6:32:0", "6:60:0"]  # docs/benchmarks.m
 @dataclass
 class ShapeRun:
     name: str
-    engine: LLMEngine
+    engine: LLM
     seconds: float = 0.0
     num_identical: int = 0
 
@@ -48,7 +48,7 @@ def shape_engine(artifact: str, draft: Path, spec: str) -> ShapeRun:
     config = shape_config(draft, spec)
     nodes = f"{config.speculative_tree_nodes} nodes" if config.speculative_tree_nodes else "a chain"
     name = f"depth {config.num_speculative_tokens}, {nodes}, confidence >= {config.speculative_min_confidence}"
-    return ShapeRun(name, LLMEngine(artifact, config))
+    return ShapeRun(name, LLM(artifact, config))
 
 
 def main() -> None:
@@ -61,7 +61,7 @@ def main() -> None:
     parser.add_argument("--shape", action="append", help=f"DEPTH:NODES:CONFIDENCE, repeatable (default: {' '.join(SHAPES)}).")
     args = parser.parse_args()
     draft = args.draft or Path(args.artifact) / "draft"
-    plain = LLMEngine(args.artifact, EngineConfig(enable_prefix_caching=False))
+    plain = LLM(args.artifact, EngineConfig(enable_prefix_caching=False))
     runs = [shape_engine(args.artifact, draft, spec) for spec in args.shape or SHAPES]
     prompts = distinct_prompts(args.prompts, args.num_prompts, plain.tokenizer)
     params = SamplingParams(temperature=0, max_tokens=args.max_tokens)

@@ -22,7 +22,7 @@ from llmc.draft.build import eagle_shape
 from llmc.draft.vocabulary import DRAFT_VOCAB_SIZE
 from llmc.runtime.engine.config import EngineConfig
 from llmc.runtime.engine.model_runner import ModelRunner
-from llmc.runtime.llm_engine import LLMEngine
+from llmc.runtime.llm import LLM
 from llmc.runtime.models.llama import LlamaForCausalLM
 from llmc.runtime.sampling_params import SamplingParams
 from llmc.runtime.speculative.decoder import SpeculativeDecoder
@@ -78,7 +78,7 @@ def step_costs(artifact: Path, config: EngineConfig, prompt: str, max_tokens: in
     seconds: dict[str, float] = defaultdict(float)
     calls: dict[str, int] = defaultdict(int)
     with timed_parts(seconds, calls):  # from the engine's construction: the decoder keeps bound methods
-        engine = LLMEngine(artifact, config)
+        engine = LLM(artifact, config)
         text = engine.tokenizer.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False, add_generation_prompt=True)
         engine.generate([text], SamplingParams(temperature=0, max_tokens=8))
         seconds.clear()

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 
 from llmc.runtime.engine.config import EngineConfig
 from llmc.runtime.layers.linear import DenseLinear
-from llmc.runtime.llm_engine import LLMEngine
+from llmc.runtime.llm import LLM
 
 ROWS = (1, 2, 4, 8, 16)
 
@@ -40,7 +40,7 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    model = LLMEngine(args.artifact, EngineConfig(enable_prefix_caching=False)).runner.model
+    model = LLM(args.artifact, EngineConfig(enable_prefix_caching=False)).runner.model
     layer = model.layers[args.layer]
     linears = {"qkv_proj": layer.self_attn.qkv_proj, "o_proj": layer.self_attn.o_proj,
                "gate_up_proj": layer.mlp.gate_up_proj, "down_proj": layer.mlp.down_proj, "lm_head": model.lm_head}

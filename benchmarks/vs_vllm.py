@@ -23,7 +23,7 @@ from pathlib import Path
 from openai import AsyncOpenAI
 
 from llmc.bench.load import RequestResult, measure, summarize
-from llmc.server_process import served
+from llmc.external.server_process import served
 
 ROOT = Path(__file__).resolve().parents[1]
 MT_BENCH = ROOT.parent / "shared" / "data" / "mt_bench" / "question.jsonl"
@@ -57,7 +57,7 @@ def random_shape_artifact(shape: str, num_layers: int) -> Path:
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-    from llmc.models.spec import resolve_model
+    from llmc.checkpoints.spec import resolve_model
 
     output = ROOT / "artifacts" / f"bench-random-{shape}-{num_layers}l"
     if (output / "llmc.json").is_file():

@@ -9,7 +9,7 @@ from pathlib import Path
 import torch
 
 from llmc.runtime.engine.config import EngineConfig
-from llmc.runtime.llm_engine import LLMEngine
+from llmc.runtime.llm import LLM
 from llmc.runtime.sampling_params import SamplingParams
 
 TOPICS = [
@@ -29,7 +29,7 @@ SEED = 1
 
 
 def main() -> None:
-    engine = LLMEngine("smollm2-135m", EngineConfig(dtype=torch.float32, max_num_seqs=32, enable_prefix_caching=False))
+    engine = LLM("smollm2-135m", EngineConfig(dtype=torch.float32, max_num_seqs=32, enable_prefix_caching=False))
     requests = [request.format(topic=topic) for topic, request in itertools.product(TOPICS, REQUESTS)]
     prompts = [engine.tokenizer.apply_chat_template([{"role": "user", "content": request}], tokenize=False,
                                                     add_generation_prompt=True) for request in requests]

@@ -9,7 +9,7 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from llmc.models.spec import resolve_model
+from llmc.checkpoints.spec import resolve_model
 
 TOPICS = [
     "photosynthesis", "the French Revolution", "compound interest", "volcanoes", "the immune system",

@@ -20,10 +20,10 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from llmc.models.spec import resolve_model
-from llmc.prompts import read_prompt_texts
+from llmc.checkpoints.spec import resolve_model
+from llmc.core.prompts import read_prompt_texts
 from llmc.runtime.engine.config import EngineConfig
-from llmc.runtime.llm_engine import LLMEngine
+from llmc.runtime.llm import LLM
 from llmc.runtime.sampling_params import SamplingParams
 
 NUM_SAMPLES = 2048
@@ -54,7 +54,7 @@ def reads_as_a_request(text: str) -> bool:
     return len(words) >= MIN_WORDS and ascii_share > 0.98 and longest_word <= 24 and "http" not in text
 
 
-def sample_requests(engine: LLMEngine, openings: list[str], first_seed: int) -> list[str]:
+def sample_requests(engine: LLM, openings: list[str], first_seed: int) -> list[str]:
     """One request per opening ("" for the model's own), each with its own seed, finished ones only."""
     prefix = user_turn_prefix(engine.tokenizer)
     params = [SamplingParams(temperature=0.9, top_p=0.95, max_tokens=MAX_TOKENS, seed=first_seed + index)
@@ -78,7 +78,7 @@ def earlier_requests(steered_part: int | None) -> set[str]:
 
 
 def main(steered_part: int | None) -> None:
-    engine = LLMEngine(resolve_model("smollm2-135m"), EngineConfig(dtype=torch.bfloat16, max_num_seqs=128))
+    engine = LLM(resolve_model("smollm2-135m"), EngineConfig(dtype=torch.bfloat16, max_num_seqs=128))
     if steered_part:
         openings = [OPENINGS[index % len(OPENINGS)] for index in range(STEERED_SAMPLES)]
         texts = sample_requests(engine, openings, STEERED_SEED + (steered_part - 1) * STEERED_SAMPLES)

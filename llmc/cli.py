@@ -10,8 +10,8 @@ import click
 from click.core import ParameterSource
 from rich.console import Console
 
+from llmc.core.errors import LlmcError
 from llmc.draft.config import DraftConfig
-from llmc.errors import LlmcError
 from llmc.evals.config import PerplexityEval
 from llmc.runtime.engine.config import EngineConfig
 from llmc.runtime.serving import DEFAULT_MAX_WAITING
@@ -56,7 +56,7 @@ DEVICE_OPTION = click.option("--device", default="auto", show_default=True,
 
 def chosen_device(name: str):
     """--device resolved and printed, before any work."""
-    from llmc.device import describe_device, resolve_device
+    from llmc.core.device import describe_device, resolve_device
 
     try:
         device = resolve_device(name)
@@ -85,8 +85,8 @@ def cli() -> None:
 def quantize(recipe: Path, output: str | None, overrides: tuple[str, ...], overwrite: bool, resume: bool, discard_partial: bool,
              nproc: int) -> None:
     """Run RECIPE (YAML) and write a compressed-tensors artifact."""
-    from llmc.inputs import resolve_eval_and_draft_inputs
-    from llmc.recipe import load_recipe
+    from llmc.pipeline.preflight import resolve_eval_and_draft_inputs
+    from llmc.pipeline.recipe import load_recipe
 
     loaded = load_recipe(recipe, list(overrides), output)
     # before the pipeline's imports: a missing input fails fast
@@ -95,13 +95,13 @@ def quantize(recipe: Path, output: str | None, overrides: tuple[str, ...], overw
         unused = "; its calibration section only measures each layer's output error" if loaded.calibration else ""
         console.print(f"data-free: no stage of {recipe.name} needs calibration data{unused}")
     if nproc > 1:
-        from llmc.launch import launch_ranks
+        from llmc.pipeline.launch import launch_ranks
 
         arguments = [str(recipe), *(["--output", output] if output else []), *(f"--set={item}" for item in overrides),
                      *(["--overwrite"] if overwrite else []), *(["--resume"] if resume else [])]
         launch_ranks(loaded, nproc, arguments)
         return
-    from llmc.pipeline import run_quantize
+    from llmc.pipeline.quantize import run_quantize
 
     artifact = run_quantize(loaded, overwrite, eval_inputs, resume, discard_partial)
     if int(os.environ.get("RANK", "0")) == 0:
@@ -181,7 +181,7 @@ def evaluate(targets: tuple[str, ...], perplexity_data: str | None, seq_len: int
 @click.option("--json", "as_json", is_flag=True)
 def inspect(artifact: Path, as_json: bool) -> None:
     """Show what an artifact holds: formats, layers, calibration, evals, files."""
-    from llmc.inspect import describe_artifact, print_artifact
+    from llmc.pipeline.inspect_artifact import describe_artifact, print_artifact
 
     info = describe_artifact(artifact)
     if as_json:
@@ -192,9 +192,9 @@ def inspect(artifact: Path, as_json: bool) -> None:
 
 def speculative_gate(assignments: list[str]):
     """--gate with --speculative: min_accepted_length is the one threshold a draft's measurement holds."""
+    from llmc.core.validation import validated
     from llmc.evals.config import gate_thresholds
     from llmc.evals.gate import GateConfig
-    from llmc.validation import validated
 
     thresholds = gate_thresholds(assignments)
     others = sorted(set(thresholds) - {"min_accepted_length"})
@@ -212,9 +212,9 @@ def speculative_gate(assignments: list[str]):
 def train_draft_command(artifact: Path, prompts: tuple[Path, ...], overrides: tuple[str, ...], device: str) -> None:
     """Train draft heads on ARTIFACT's own answers and store them in ARTIFACT/draft (trained in a copy of ARTIFACT that
     replaces it when done: an error or Ctrl-C leaves ARTIFACT as it was)."""
+    from llmc.core.overrides import apply_overrides
+    from llmc.core.validation import validated
     from llmc.draft.build import train_draft_into_copy
-    from llmc.overrides import apply_overrides
-    from llmc.validation import validated
 
     fields: dict = {"prompts": [str(file) for file in prompts]} if prompts else {}
     apply_overrides(fields, list(overrides))
@@ -265,9 +265,9 @@ def engine_config(model: str, dtype: str, no_prefix_caching: bool, speculative: 
 
 
 def build_engine(model: str, **engine_options):
-    from llmc.runtime.llm_engine import LLMEngine
+    from llmc.runtime.llm import LLM
 
-    return LLMEngine(model, engine_config(model, **engine_options))
+    return LLM(model, engine_config(model, **engine_options))
 
 
 def explicit_options(ctx: click.Context, options: dict) -> dict:
@@ -313,7 +313,7 @@ def serve(ctx: click.Context, artifact: str, vllm_args: tuple[str, ...], engine:
     if (api_key is not None and not api_key.strip()) or os.environ.get("LLMC_API_KEY") == "":  # click reads "" as unset
         raise LlmcError("--api-key (or LLMC_API_KEY) is empty: give a key, or unset LLMC_API_KEY to serve without one")
     if engine == "vllm":
-        from llmc.serve_vllm import exec_vllm, find_vllm, vllm_command
+        from llmc.external.vllm_server import exec_vllm, find_vllm, vllm_command
 
         options = explicit_options(ctx, engine_options | {"max_waiting": max_waiting, "threads": threads,
                                                           "max_request_bytes": max_request_bytes,
@@ -324,7 +324,7 @@ def serve(ctx: click.Context, artifact: str, vllm_args: tuple[str, ...], engine:
         given = "--vllm" if vllm_executable is not None else " ".join(vllm_args)
         raise LlmcError(f"{given}: only with --engine vllm")
     require_serve_extra()
-    from llmc.models.spec import resolve_model
+    from llmc.checkpoints.spec import resolve_model
     from llmc.runtime.serving.engine_process import EngineProcess
     from llmc.runtime.serving.server import serve as run_server
 

@@ -53,8 +53,8 @@ def first_layer(model: Path, num_samples: int, seq_len: int, seed: int) -> First
     from transformers import AutoConfig
 
     from llmc.calib.driver import build_skeleton, decoder_layers, embed, materialize
-    from llmc.models.checkpoint import CheckpointReader
-    from llmc.models.families import family_for
+    from llmc.checkpoints.checkpoint_reader import CheckpointReader
+    from llmc.checkpoints.families import family_for
 
     config = AutoConfig.from_pretrained(model)
     family = family_for(config)
@@ -180,7 +180,7 @@ def llmc_serve(artifact: Path, *options: str, timeout: float = 180) -> Iterator[
     Killed on the way out if still running."""
     import httpx
 
-    from llmc.server_process import free_port
+    from llmc.external.server_process import free_port
 
     port = free_port()
     env = os.environ | {"PYTHONPATH": str(Path(__file__).resolve().parents[1]), "OMP_NUM_THREADS": "1"}

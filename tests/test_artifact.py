@@ -7,11 +7,11 @@ from safetensors import safe_open
 from transformers import AutoModelForCausalLM
 
 from llmc.artifact.writer import sha256_of_files
-from llmc.errors import LlmcError
+from llmc.core.errors import LlmcError
 from llmc.evals.loading import load_model
-from llmc.pipeline import run_quantize
+from llmc.pipeline.quantize import run_quantize
+from llmc.pipeline.recipe import load_recipe
 from llmc.quant.qtypes import QuantArgs, fake_quantize
-from llmc.recipe import load_recipe
 
 SCHEMES = {
     "w4-sym-g32": "  - type: rtn\n    scheme: W4A16\n    weights: {group_size: 32}\n",
@@ -82,7 +82,7 @@ def assert_ct_decompressor_agrees(artifact, dense_model, plan):
     from compressed_tensors.quantization import QuantizationScheme
 
     from llmc.artifact.compressed_tensors import to_ct_args
-    from llmc.models.checkpoint import CheckpointReader
+    from llmc.checkpoints.checkpoint_reader import CheckpointReader
 
     reader = CheckpointReader(artifact)
     for name, args in plan.items():
@@ -143,12 +143,12 @@ def test_existing_output_is_kept(tmp_path, tiny_llama):
 
 
 def test_failure_before_any_finished_layer_leaves_nothing(tmp_path, tiny_llama, monkeypatch):
-    import llmc.pipeline
+    import llmc.pipeline.quantize
 
     def broken(*args, **kwargs):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(llmc.pipeline, "quantize_layerwise", broken)
+    monkeypatch.setattr(llmc.pipeline.quantize, "quantize_layerwise", broken)
     with pytest.raises(KeyboardInterrupt):
         quantize(tmp_path, tiny_llama, SCHEMES["w8-channel"])
     assert list(tmp_path.iterdir()) == [tmp_path / "art.yaml"]
@@ -162,7 +162,7 @@ def test_a_killed_runs_staging_folder_is_removed_by_the_next_run(tmp_path, tiny_
     stage = "  - type: rtn\n    scheme: W4A16\n    weights: {group_size: 32}\n"
     recipe = write_recipe(tmp_path / "r.yaml", tiny_llama, tmp_path / "out", stage)
     # a run that gets as far as staging, then is killed outright: its folder stays behind
-    script = ("import os, signal, pathlib, llmc.pipeline as p; from llmc.recipe import load_recipe\n"
+    script = ("import os, signal, pathlib, llmc.pipeline.quantize as p; from llmc.pipeline.recipe import load_recipe\n"
               "p.quantize_layerwise = lambda *a, **k: os.kill(os.getpid(), signal.SIGKILL)\n"
               f"p.run_quantize(load_recipe(pathlib.Path({str(recipe)!r})))")
     killed = subprocess.run([sys.executable, "-c", script], capture_output=True)

@@ -3,7 +3,7 @@ from pathlib import Path
 
 import pytest
 
-from llmc.errors import LlmcError
+from llmc.core.errors import LlmcError
 from llmc.evals.business_set import load_business_set
 
 GOOD = {

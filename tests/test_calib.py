@@ -6,7 +6,7 @@ import torch
 from transformers import AutoTokenizer
 
 from llmc.calib.data import CalibrationConfig, load_calibration
-from llmc.errors import LlmcError
+from llmc.core.errors import LlmcError
 
 
 @pytest.fixture(scope="module")

@@ -7,7 +7,7 @@ from conftest import CORPUS, staggered_requests
 from llmc.runtime.engine import model_runner
 from llmc.runtime.engine.config import EngineConfig
 from llmc.runtime.engine.cuda_graphs import DecodeGraphs, graph_batch_sizes
-from llmc.runtime.llm_engine import LLMEngine
+from llmc.runtime.llm import LLM
 from llmc.runtime.sampling_params import SamplingParams
 
 PROMPTS = [" ".join(CORPUS.split()[start : start + length]) for start, length in ((0, 5), (13, 9), (29, 3))]
@@ -27,7 +27,7 @@ class EagerReplays(DecodeGraphs):
         return lambda: output.copy_(forward()), output, pool
 
 
-def staggered(llm: LLMEngine) -> tuple[list[list[int]], torch.Tensor]:
+def staggered(llm: LLM) -> tuple[list[list[int]], torch.Tensor]:
     """One request joins every 4 steps: decode batches of 1, 2 and 3 sequences (the last padded to 4). The tokens,
     and their log-probabilities, which show any difference in the hidden states (a tiny random model's tokens
     may not)."""
@@ -41,9 +41,9 @@ def test_graph_batch_sizes():
 
 def test_replays_over_static_buffers_give_eager_tokens(tiny_llama, monkeypatch):
     config = EngineConfig(dtype=torch.float32, max_num_seqs=4, num_kv_blocks=24)
-    eager = staggered(LLMEngine(str(tiny_llama), config))
+    eager = staggered(LLM(str(tiny_llama), config))
     monkeypatch.setattr(model_runner, "DecodeGraphs", EagerReplays)
-    llm = LLMEngine(str(tiny_llama), config)
+    llm = LLM(str(tiny_llama), config)
     assert isinstance(llm.runner.graphs, EagerReplays) and llm.runner.kv_cache.shape[2] == 24 + 1  # the scratch block
     replayed_sizes = []
     replay = llm.runner.graphs.replay
@@ -61,7 +61,7 @@ def test_cuda_graph_decode_equals_eager(tiny_llama):
     prompts = PROMPTS + ["Quantization maps real numbers"]  # four: the graph for 4 runs without padding rows, same GEMMs
     results = []
     for enforce_eager in (True, False):
-        llm = LLMEngine(str(tiny_llama), EngineConfig(dtype=torch.float16, device="cuda", max_num_seqs=4, enforce_eager=enforce_eager))
+        llm = LLM(str(tiny_llama), EngineConfig(dtype=torch.float16, device="cuda", max_num_seqs=4, enforce_eager=enforce_eager))
         assert (llm.runner.graphs is None) == enforce_eager
         results.append([output["token_ids"] for output in llm.generate(prompts, params)])
     assert results[0] == results[1]

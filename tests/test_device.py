@@ -10,12 +10,12 @@ from safetensors.torch import load_file
 
 from llmc.artifact.writer import MANIFEST
 from llmc.cli import cli
-from llmc.device import resolve_device
+from llmc.core.device import resolve_device
+from llmc.core.errors import LlmcError
 from llmc.draft.build import train_draft
 from llmc.draft.config import DraftConfig
-from llmc.errors import LlmcError
-from llmc.pipeline import run_quantize
-from llmc.recipe import load_recipe
+from llmc.pipeline.quantize import run_quantize
+from llmc.pipeline.recipe import load_recipe
 
 STAGES = {
     "gptq": "  - type: gptq\n    scheme: W4A16\n    weights: {group_size: 32}\n",
@@ -98,10 +98,10 @@ def test_every_stage_on_cuda_matches_the_cpu(tmp_path, tiny_llama, calib_file, s
 
 def test_the_preflight_refuses_a_run_that_cannot_fit_naming_what_to_lower(tmp_path, tiny_llama, calib_file, monkeypatch):
     import llmc.calib.memory
-    import llmc.pipeline
+    import llmc.pipeline.quantize
 
     monkeypatch.setattr(llmc.calib.memory, "available_host_bytes", lambda: 2**20)
-    monkeypatch.setattr(llmc.pipeline, "quantize_layerwise", lambda *args: pytest.fail("weights were read"))
+    monkeypatch.setattr(llmc.pipeline.quantize, "quantize_layerwise", lambda *args: pytest.fail("weights were read"))
     with pytest.raises(LlmcError, match=r"memory estimate: host .* needs more than the 0.0 GiB of host memory available; "
                                         r"the largest part is .*: lower"):
         quantize(tmp_path, tiny_llama, calib_file, STAGES["gptq"], "cpu")

@@ -8,8 +8,8 @@ import pytest
 import yaml
 
 from llmc.cli import cli
-from llmc.errors import LlmcError
-from llmc.recipe import TRANSFORM_STAGES, load_recipe
+from llmc.core.errors import LlmcError
+from llmc.pipeline.recipe import TRANSFORM_STAGES, load_recipe
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]

@@ -8,6 +8,7 @@ from conftest import CORPUS, write_recipe
 from transformers import AutoConfig
 
 from llmc.cli import cli
+from llmc.core.errors import LlmcError
 from llmc.draft.build import medusa_rows, medusa_top1, train_draft, train_eagle
 from llmc.draft.config import DraftConfig
 from llmc.draft.data import DistillSet, cached_self_distill, distill_cache_path, load_distill_set, save_distill_set
@@ -15,10 +16,9 @@ from llmc.draft.labels import OUT_OF_VOCAB
 from llmc.draft.losses import TOKEN_LOSS_WEIGHT, eagle_loss, medusa_labels, medusa_loss, unrolled
 from llmc.draft.train import CHECKPOINT, TrainConfig, train
 from llmc.draft.vocabulary import held_out_split, most_frequent_tokens
-from llmc.errors import LlmcError
-from llmc.inspect import describe_artifact
-from llmc.pipeline import run_quantize
-from llmc.recipe import load_recipe
+from llmc.pipeline.inspect_artifact import describe_artifact
+from llmc.pipeline.quantize import run_quantize
+from llmc.pipeline.recipe import load_recipe
 from llmc.runtime.speculative.eagle import EagleDraft, EagleShape
 from llmc.runtime.speculative.medusa import MedusaHeads
 
@@ -145,7 +145,7 @@ def test_distillation_set_round_trips_through_safetensors(tmp_path):
 
 def test_an_interrupted_distillation_resumes_from_the_answers_it_saved(tmp_path, tiny_llama, monkeypatch):
     import llmc.draft.data as distill
-    from llmc.runtime.llm_engine import LLMEngine
+    from llmc.runtime.llm import LLM
 
     monkeypatch.setenv("LLMC_HOME", str(tmp_path / "home"))
     monkeypatch.setattr(distill, "DISTILL_PART", 3)
@@ -168,7 +168,7 @@ def test_an_interrupted_distillation_resumes_from_the_answers_it_saved(tmp_path,
     assert cache.suffix == ".parts" and [path.name for path in cache.iterdir()] == ["part-0000.safetensors"]
     requested = []
     monkeypatch.setattr(
-        LLMEngine, "add_request", lambda self, *args, _add=LLMEngine.add_request: requested.append(args[0]) or _add(self, *args)
+        LLM, "add_request", lambda self, *args, _add=LLM.add_request: requested.append(args[0]) or _add(self, *args)
     )
     resumed = cached_self_distill(artifact, prompts, None, 12)
     assert saved == [[0, 1, 2, 3]] and len(requested) == 3  # only the answers not saved are generated
@@ -235,7 +235,7 @@ def test_stored_features_that_would_not_fit_are_refused_before_distilling(tmp_pa
 
 
 def test_mt_bench_is_refused_as_training_prompts(tmp_path):
-    from llmc.prompts import check_not_eval_set
+    from llmc.core.prompts import check_not_eval_set
 
     path = tmp_path / "question.jsonl"
     path.write_text(json.dumps({"question_id": 81, "category": "writing", "turns": ["Compose a blog post."]}) + "\n")

@@ -6,11 +6,11 @@ from safetensors.torch import load_file
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from llmc.calib.driver import build_skeleton, decoder_layers, embed, materialize
-from llmc.models.checkpoint import CheckpointReader
-from llmc.models.families import family_for
-from llmc.pipeline import run_quantize
+from llmc.checkpoints.checkpoint_reader import CheckpointReader
+from llmc.checkpoints.families import family_for
+from llmc.pipeline.quantize import run_quantize
+from llmc.pipeline.recipe import load_recipe
 from llmc.quant.layer import LayerRunner, parameters_in
-from llmc.recipe import load_recipe
 
 
 def test_layer_by_layer_matches_the_full_model(tiny_llama):

@@ -11,20 +11,20 @@ from safetensors.torch import load_file
 from test_cli import llmc
 from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig
 
+from llmc.core.errors import LlmcError
 from llmc.draft.build import eagle3_aux_layers, save_eagle3
 from llmc.draft.config import DraftConfig
 from llmc.draft.data import distill_engine, load_distill_set, save_distill_set, self_distill
 from llmc.draft.eagle3 import train_eagle3
-from llmc.draft.export import VLLM_DIR, export_for_vllm
 from llmc.draft.features import OnlineFeatures, StoredFeatures, feature_mode
 from llmc.draft.labels import NOT_LEARNED
 from llmc.draft.losses import eagle3_loss, unrolled
 from llmc.draft.sequences import SequenceBatch, padded_batch, sequence_rows
-from llmc.errors import LlmcError
-from llmc.pipeline import run_quantize
-from llmc.recipe import load_recipe
+from llmc.draft.vllm_export import VLLM_DIR, export_for_vllm
+from llmc.pipeline.quantize import run_quantize
+from llmc.pipeline.recipe import load_recipe
 from llmc.runtime.engine.config import EngineConfig
-from llmc.runtime.llm_engine import LLMEngine
+from llmc.runtime.llm import LLM
 from llmc.runtime.sampling_params import SamplingParams
 from llmc.runtime.speculative.eagle3 import ARCHITECTURE, Eagle3Draft, default_aux_layers, eagle3_config
 from llmc.runtime.speculative.store import load_draft
@@ -132,8 +132,8 @@ def test_eagle3_greedy_output_equals_plain_decoding(tiny_llama, distilled_aux, e
     params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
     settings = dict(dtype=torch.float32, block_size=4, num_kv_blocks=48, max_num_seqs=max_num_seqs,
                     max_num_batched_tokens=max_num_batched_tokens)
-    plain = LLMEngine(tiny_llama, EngineConfig(**settings)).generate(prompts, params)
-    engine = LLMEngine(tiny_llama, EngineConfig(**settings, speculative=eagle3_folder, adaptive_speculation=False,
+    plain = LLM(tiny_llama, EngineConfig(**settings)).generate(prompts, params)
+    engine = LLM(tiny_llama, EngineConfig(**settings, speculative=eagle3_folder, adaptive_speculation=False,
                                                 num_speculative_tokens=3, speculative_tree_nodes=tree_nodes,
                                                 speculative_min_confidence=0.0))
     speculative = engine.generate(prompts, params)
@@ -266,7 +266,7 @@ def test_a_draft_that_cannot_train_is_refused_before_quantizing(tmp_path, tiny_l
         raise Quantizing
 
     monkeypatch.setenv("LLMC_HOME", str(tmp_path / "home"))
-    monkeypatch.setattr("llmc.pipeline.quantize_layerwise", quantize_layerwise)
+    monkeypatch.setattr("llmc.pipeline.quantize.quantize_layerwise", quantize_layerwise)
     recipe = draft_gate_recipe(tmp_path, tiny_llama, calib_file, 1.0)
     with pytest.raises(LlmcError, match=r"r\.yaml line \d+: draft: .*layers are numbered 0\.\.2"):
         run_quantize(load_recipe(recipe, ["draft.aux_layers=[1,5]"]))

@@ -3,10 +3,10 @@ error naming its field and YAML line, and nothing is written."""
 import pytest
 from conftest import write_recipe
 
-from llmc.errors import LlmcError
-from llmc.models import hub
-from llmc.pipeline import run_quantize
-from llmc.recipe import load_recipe
+from llmc.checkpoints import hub
+from llmc.core.errors import LlmcError
+from llmc.pipeline.quantize import run_quantize
+from llmc.pipeline.recipe import load_recipe
 
 STAGE = "  - type: rtn\n    scheme: W4A16\n    weights: {group_size: 32}\n"
 

@@ -10,19 +10,19 @@ from safetensors.torch import load_file
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from llmc.calib.driver import build_skeleton, decoder_layers, embed, layer_linears, materialize
-from llmc.errors import LlmcError
+from llmc.checkpoints.checkpoint_reader import CheckpointReader
+from llmc.checkpoints.families import family_for
+from llmc.core.errors import LlmcError
+from llmc.core.prompts import distinct_prompts
 from llmc.evals.loading import load_model
-from llmc.models.checkpoint import CheckpointReader
-from llmc.models.families import family_for
-from llmc.pipeline import run_quantize
-from llmc.prompts import distinct_prompts
+from llmc.pipeline.quantize import run_quantize
+from llmc.pipeline.recipe import load_recipe
 from llmc.quant.awq import AWQStage, AWQTransform
 from llmc.quant.layer import LayerRunner, LayerWork, recording
 from llmc.quant.qtypes import QuantArgs, fake_quantize
 from llmc.quant.smoothquant import SmoothQuantStage, SmoothQuantTransform
-from llmc.recipe import load_recipe
 from llmc.runtime.engine.config import EngineConfig
-from llmc.runtime.llm_engine import LLMEngine
+from llmc.runtime.llm import LLM
 from llmc.runtime.sampling_params import SamplingParams
 
 WINDOW = 8  # shorter than the prompts plus 32 tokens, so windows matter
@@ -84,10 +84,10 @@ def reference_tokens(artifact) -> list[list[int]]:
 
 def test_runtime_greedy_equals_transformers(artifact, reference_tokens):
     greedy = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
-    llm = LLMEngine(str(artifact), EngineConfig(dtype=torch.float32))
+    llm = LLM(str(artifact), EngineConfig(dtype=torch.float32))
     assert run_staggered(llm, PROMPTS, greedy) == reference_tokens
     # the same prompts again: their prefixes come from the cache, in chunks of 8 tokens
-    chunked = LLMEngine(str(artifact), EngineConfig(dtype=torch.float32, max_num_batched_tokens=8))
+    chunked = LLM(str(artifact), EngineConfig(dtype=torch.float32, max_num_batched_tokens=8))
     assert run_staggered(chunked, PROMPTS + PROMPTS, greedy) == reference_tokens + reference_tokens
     assert chunked.block_manager.num_prefix_hit_tokens > 0
 
@@ -165,7 +165,7 @@ def test_blocks_out_of_every_layers_window_are_given_back(windowed_artifact):
         expected = loaded.model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=120, do_sample=False,
                                          eos_token_id=None)[0, len(prompt_ids) :].tolist()
     block_size = 4
-    llm = LLMEngine(str(windowed_artifact), EngineConfig(dtype=torch.float32, block_size=block_size))
+    llm = LLM(str(windowed_artifact), EngineConfig(dtype=torch.float32, block_size=block_size))
     seq = llm.add_request(prompt_ids, SamplingParams(temperature=0, max_tokens=120, ignore_eos=True))
     most_held = 0
     while llm.has_unfinished():
@@ -181,8 +181,8 @@ def test_prefix_caching_with_windows_gives_the_uncached_tokens(windowed_artifact
     shared = " ".join(WORDS[:40])  # longer than the window: its first blocks are given back before the next request
     prompts = [f"{shared} {prompt}" for prompt in PROMPTS]
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
-    cached = LLMEngine(str(windowed_artifact), EngineConfig(dtype=torch.float32, block_size=4))
-    uncached = LLMEngine(str(windowed_artifact), EngineConfig(dtype=torch.float32, block_size=4, enable_prefix_caching=False))
+    cached = LLM(str(windowed_artifact), EngineConfig(dtype=torch.float32, block_size=4))
+    uncached = LLM(str(windowed_artifact), EngineConfig(dtype=torch.float32, block_size=4, enable_prefix_caching=False))
     with_cache = [cached.generate([prompt], params)[0]["token_ids"] for prompt in prompts]
     assert cached.block_manager.num_prefix_hit_tokens >= 3 * 32
     assert with_cache == [output["token_ids"] for output in uncached.generate(prompts, params)]
@@ -212,12 +212,12 @@ def test_draft_heads_train_on_the_family_and_speculation_keeps_its_greedy_tokens
     stored = [path for path in (tmp_path / "home" / "distill").glob("*.safetensors") if "hidden" in load_file(path)]
     assert len(stored) == (features == "stored")  # online: the answers' token ids alone
     greedy = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
-    plain_engine = LLMEngine(str(artifact), EngineConfig(dtype=torch.float32))
+    plain_engine = LLM(str(artifact), EngineConfig(dtype=torch.float32))
     # the training prompts: a draft that learned the answers it was trained on must find them again where it serves,
     # which a mismatch between training and serving (features, embeddings, positions) would break
     prompts = PROMPTS + distinct_prompts(calib_file, 4, plain_engine.tokenizer)
     plain = plain_engine.generate(prompts, greedy)
-    drafting = LLMEngine(str(artifact), EngineConfig(dtype=torch.float32, speculative=artifact / "draft", speculative_min_confidence=0.0,
+    drafting = LLM(str(artifact), EngineConfig(dtype=torch.float32, speculative=artifact / "draft", speculative_min_confidence=0.0,
                                                        speculative_max_num_seqs=len(prompts), adaptive_speculation=False))
     assert [output["token_ids"] for output in drafting.generate(prompts, greedy)] == [output["token_ids"] for output in plain]
     stats = drafting.runner.speculator.stats

@@ -7,13 +7,13 @@ from conftest import first_layer, write_recipe
 from transformers import AutoModelForCausalLM
 
 from llmc.calib.driver import layer_linears
-from llmc.errors import LlmcError
+from llmc.core.errors import LlmcError
 from llmc.evals.loading import load_model
-from llmc.pipeline import run_quantize
+from llmc.pipeline.quantize import run_quantize
+from llmc.pipeline.recipe import load_recipe
 from llmc.quant.gptq import GPTQQuantizer, GPTQStage, gptq_quantize
 from llmc.quant.layer import LayerRunner, LayerWork, recording
 from llmc.quant.qtypes import QuantArgs, quantize_weight
-from llmc.recipe import load_recipe
 
 FORMATS = {
     "w4-sym-g32": QuantArgs(num_bits=4, strategy="group", group_size=32),

@@ -79,7 +79,25 @@ def test_the_checker_finds_a_cycle():
 
 def test_low_packages_import_nothing_above_them():
     graph = import_graph(depth=2)
-    assert graph["llmc.staging"] <= {"llmc.errors"}
-    assert graph["llmc.models"] <= {"llmc.errors", "llmc.staging"}
-    assert graph["llmc.quant"] <= {"llmc.errors", "llmc.models", "llmc.schema"}
-    assert not graph["llmc.runtime"] & {"llmc.draft", "llmc.evals", "llmc.recipe", "llmc.calib", "llmc.pipeline", "llmc.cli"}
+    assert not graph["llmc.core"], "core imports nothing else of llmc"
+    assert graph["llmc.checkpoints"] <= {"llmc.core"}
+    assert graph["llmc.quant"] <= {"llmc.core", "llmc.checkpoints"}
+    assert graph["llmc.external"] <= {"llmc.core", "llmc.checkpoints"}
+    assert not graph["llmc.runtime"] & {"llmc.draft", "llmc.evals", "llmc.calib", "llmc.pipeline", "llmc.cli"}
+    assert not {unit for unit, targets in graph.items() if "llmc.pipeline" in targets} - {"llmc.cli"}, "only the CLI runs the pipeline"
+
+
+def test_the_root_holds_only_the_public_surface():
+    assert sorted(path.name for path in PACKAGE.glob("*.py")) == ["__init__.py", "__main__.py", "cli.py"]
+    assert sorted(path.name for path in (PACKAGE / "runtime").glob("*.py")) == ["__init__.py", "llm.py", "sampling_params.py"]
+
+
+def test_no_two_modules_share_a_name_unless_they_are_the_same_concept_in_parallel_places():
+    parallel = {"__init__.py", "config.py", "data.py", "eagle3.py", "moe.py"}  # each package's config, data, EAGLE-3, MoE
+    names = [path.name for path in PACKAGE.rglob("*.py")]
+    assert sorted({name for name in names if names.count(name) > 1} - parallel) == []
+
+
+def test_the_engine_core_does_not_import_the_drafts():
+    graph = import_graph(depth=3, within="llmc.runtime")
+    assert "llmc.runtime.speculative" not in graph["llmc.runtime.engine"]

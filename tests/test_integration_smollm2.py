@@ -73,8 +73,8 @@ def test_shipped_recipes_calibration_fits_the_shipped_set():
     from transformers import AutoTokenizer
 
     from llmc.calib.data import load_calibration
-    from llmc.models.spec import resolve_model
-    from llmc.recipe import load_recipe
+    from llmc.checkpoints.spec import resolve_model
+    from llmc.pipeline.recipe import load_recipe
 
     tokenizer = AutoTokenizer.from_pretrained(resolve_model("smollm2-135m"))
     for path in sorted(RECIPE.parent.glob("smollm2-*.yaml")):

@@ -6,12 +6,12 @@ from conftest import write_recipe
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from llmc.calib.data import load_calibration
-from llmc.errors import LlmcError
+from llmc.checkpoints.checkpoint_reader import CheckpointReader
+from llmc.core.errors import LlmcError
 from llmc.evals.loading import load_model
-from llmc.models.checkpoint import CheckpointReader
-from llmc.pipeline import run_quantize
+from llmc.pipeline.quantize import run_quantize
+from llmc.pipeline.recipe import load_recipe
 from llmc.quant.kvcache import KV_ATTENTION
-from llmc.recipe import load_recipe
 
 ATTENTION = "model.layers.1.self_attn"
 
@@ -74,7 +74,7 @@ def test_kv_cache_composes_with_weight_quantization(tmp_path, tiny_llama, calib_
     assert load_model(str(artifact)).model.model.layers[0].self_attn.kv_hook is not None
     from rich.console import Console
 
-    from llmc.inspect import describe_artifact, print_artifact
+    from llmc.pipeline.inspect_artifact import describe_artifact, print_artifact
 
     info = describe_artifact(artifact)
     assert info["input_activations"]["group_0"]["strategy"] == "token" and info["kv_cache_scheme"]["type"] == "float"

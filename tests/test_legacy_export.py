@@ -10,15 +10,15 @@ from transformers import AutoModelForCausalLM
 from llmc.artifact.awq_format import awq_tensors, read_awq_weight
 from llmc.artifact.gptq_format import gptq_tensors, read_gptq_weight
 from llmc.artifact.reader import dense_state_dict
-from llmc.errors import LlmcError
+from llmc.checkpoints.checkpoint_reader import CheckpointReader
+from llmc.core.errors import LlmcError
 from llmc.evals.loading import load_model
-from llmc.models.checkpoint import CheckpointReader
-from llmc.pipeline import run_quantize
+from llmc.pipeline.quantize import run_quantize
+from llmc.pipeline.recipe import load_recipe
 from llmc.quant.qtypes import QuantArgs, QuantizedWeight
-from llmc.recipe import load_recipe
 from llmc.runtime.engine.config import EngineConfig
 from llmc.runtime.layers.linear import Int4CpuLinear
-from llmc.runtime.llm_engine import LLMEngine
+from llmc.runtime.llm import LLM
 from llmc.runtime.sampling_params import SamplingParams
 
 G4 = QuantArgs(num_bits=4, symmetric=False, strategy="group", group_size=4)
@@ -143,11 +143,11 @@ def test_legacy_exports_serve_as_transformers_reads_them(tmp_path, tiny_llama, c
     ids = loaded.tokenizer.encode(CORPUS[:40], add_special_tokens=False)
     with torch.no_grad():
         expected = loaded.model.generate(torch.tensor([ids]), max_new_tokens=16, do_sample=False)[0, len(ids) :].tolist()
-    llm = LLMEngine(str(artifact), EngineConfig(dtype=torch.float32))
+    llm = LLM(str(artifact), EngineConfig(dtype=torch.float32))
     served = llm.generate([CORPUS[:40]], SamplingParams(temperature=0, max_tokens=16, ignore_eos=True))[0]["token_ids"]
     assert served == expected
     if export == "gptq":  # act-order columns: the int4 CPU kernel has no g_idx, so it must not be chosen
-        bf16 = LLMEngine(str(artifact), EngineConfig(dtype=torch.bfloat16))
+        bf16 = LLM(str(artifact), EngineConfig(dtype=torch.bfloat16))
         assert not any(isinstance(module, Int4CpuLinear) for module in bf16.runner.model.modules())
 
 

@@ -7,13 +7,13 @@ from conftest import llmc_serve, write_recipe
 from lm_eval import simple_evaluate
 from test_cli import llmc
 
-from llmc.errors import LlmcError
+from llmc.core.errors import LlmcError
 from llmc.evals.config import options_eval_config
 from llmc.evals.lm_eval_model import resolve_tasks, run_lm_eval
 from llmc.evals.loading import load_model
-from llmc.inputs import resolve_eval_and_draft_inputs
-from llmc.pipeline import run_quantize
-from llmc.recipe import load_recipe
+from llmc.pipeline.preflight import resolve_eval_and_draft_inputs
+from llmc.pipeline.quantize import run_quantize
+from llmc.pipeline.recipe import load_recipe
 
 
 def user_task(tmp_path, name: str = "my_local_task", extra: str = ""):

@@ -4,11 +4,11 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-import llmc.models.spec as spec
-from llmc.errors import LlmcError
+import llmc.checkpoints.spec as spec
+from llmc.checkpoints import hub
+from llmc.checkpoints.spec import resolve_model
+from llmc.core.errors import LlmcError
 from llmc.evals.perplexity import load_eval_text, perplexity
-from llmc.models import hub
-from llmc.models.spec import resolve_model
 
 
 def test_local_folder_and_bad_specs(tmp_path, tiny_llama):

@@ -11,20 +11,20 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 from llmc.calib.driver import decoder_linears, layer_linears
 from llmc.calib.memory import LayerShapes
+from llmc.checkpoints.checkpoint_reader import CheckpointReader
+from llmc.checkpoints.families import family_for
 from llmc.evals.loading import load_model
-from llmc.models.checkpoint import CheckpointReader
-from llmc.models.families import family_for
-from llmc.pipeline import run_quantize
+from llmc.pipeline.quantize import run_quantize
+from llmc.pipeline.recipe import load_recipe
 from llmc.quant.awq import AWQStage, scalable_pairs
 from llmc.quant.gptq import GPTQStage
 from llmc.quant.layer import LayerRunner, LayerWork, recording
 from llmc.quant.qtypes import QuantArgs, fake_quantize
 from llmc.quant.smoothquant import SmoothQuantStage
-from llmc.recipe import load_recipe
 from llmc.runtime.engine.config import EngineConfig
 from llmc.runtime.layers.linear import Int4CpuLinear
 from llmc.runtime.layers.moe import SparseMoeBlock, moe_block
-from llmc.runtime.llm_engine import LLMEngine
+from llmc.runtime.llm import LLM
 from llmc.runtime.models.loader import WeightLoader
 from llmc.runtime.sampling_params import SamplingParams
 
@@ -229,7 +229,7 @@ def test_evals_emulate_quantized_expert_inputs_as_the_runtime_computes_them(tmp_
     ids = torch.randint(0, loaded.config.vocab_size, (1, 12), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         expected = loaded.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=8, do_sample=False)[0, 12:].tolist()
-    llm = LLMEngine(str(folder), EngineConfig(dtype=torch.float32))
+    llm = LLM(str(folder), EngineConfig(dtype=torch.float32))
     assert llm.generate([ids[0].tolist()], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))[0]["token_ids"] == expected
 
 
@@ -276,7 +276,7 @@ def test_runtime_greedy_tokens_are_transformers_on_the_artifact(artifact, name, 
     folder = artifact(name, stage)
     model = transformers_model(folder)
     model.generation_config.eos_token_id = None  # as ignore_eos
-    llm = LLMEngine(str(folder), EngineConfig(dtype=torch.float32, enable_prefix_caching=True, compile=compile))
+    llm = LLM(str(folder), EngineConfig(dtype=torch.float32, enable_prefix_caching=True, compile=compile))
     expected = []
     for prompt in PROMPTS:
         ids = torch.tensor([llm.tokenize(prompt)])

@@ -13,9 +13,9 @@ from safetensors.torch import load_file
 
 from llmc.artifact.writer import MANIFEST
 from llmc.cli import cli
-from llmc.pipeline import run_quantize
+from llmc.pipeline.quantize import run_quantize
+from llmc.pipeline.recipe import load_recipe
 from llmc.quant.ranks import Ranks
-from llmc.recipe import load_recipe
 
 STAGES = {
     "gptq-kv": "  - type: gptq\n    scheme: W4A16\n    weights: {group_size: 32}\nkv_cache: {dtype: fp8}\n",

@@ -2,8 +2,8 @@ from pathlib import Path
 
 import pytest
 
-from llmc.errors import LlmcError
-from llmc.recipe import load_recipe
+from llmc.core.errors import LlmcError
+from llmc.pipeline.recipe import load_recipe
 
 GOOD = """\
 model: smollm2-135m

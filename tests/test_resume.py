@@ -12,9 +12,9 @@ from safetensors.torch import load_file
 
 from llmc.artifact.resume import JOURNAL
 from llmc.artifact.writer import MANIFEST
-from llmc.errors import LlmcError
-from llmc.pipeline import run_quantize
-from llmc.recipe import load_recipe
+from llmc.core.errors import LlmcError
+from llmc.pipeline.quantize import run_quantize
+from llmc.pipeline.recipe import load_recipe
 
 STAGES = {
     "gptq-kv": "  - type: gptq\n    scheme: W4A16\n    weights: {group_size: 32}\nkv_cache: {dtype: fp8}\n",
@@ -35,8 +35,8 @@ def killed_after_two_layers(recipe) -> None:
     script = f"""
 import os, pathlib, signal
 import llmc.artifact.writer as writer
-from llmc.pipeline import run_quantize
-from llmc.recipe import load_recipe
+from llmc.pipeline.quantize import run_quantize
+from llmc.pipeline.recipe import load_recipe
 save_file, calls = writer.save_file, []
 def dying_save(tensors, path, metadata=None):
     calls.append(path)

@@ -13,13 +13,13 @@ from test_resume import RTN, STAGES, four_layers, tensors  # noqa: F401 (four_la
 
 import llmc.artifact.writer as writer
 import llmc.draft.build as build
-import llmc.pipeline as pipeline
+import llmc.pipeline.quantize as pipeline
 from llmc.artifact.resume import JOURNAL
 from llmc.artifact.writer import MANIFEST, staged_folder, write_manifest
 from llmc.cli import cli, main
+from llmc.core.errors import LlmcError
 from llmc.draft.data import distill_cache_path
-from llmc.errors import LlmcError
-from llmc.recipe import load_recipe
+from llmc.pipeline.recipe import load_recipe
 
 
 def llmc_main(monkeypatch, *args: str) -> int:

@@ -5,8 +5,8 @@ import sys
 import pytest
 from conftest import CORPUS, write_recipe
 
-from llmc.pipeline import run_quantize
-from llmc.recipe import load_recipe
+from llmc.pipeline.quantize import run_quantize
+from llmc.pipeline.recipe import load_recipe
 
 
 @pytest.mark.slow

@@ -2,14 +2,14 @@ import pytest
 import torch
 from conftest import CORPUS, run_staggered, write_recipe
 
-from llmc.errors import LlmcError
+from llmc.core.errors import LlmcError
 from llmc.evals.loading import load_model
-from llmc.pipeline import run_quantize
-from llmc.recipe import load_recipe
+from llmc.pipeline.quantize import run_quantize
+from llmc.pipeline.recipe import load_recipe
 from llmc.runtime.engine.config import EngineConfig
 from llmc.runtime.layers.cpu_attention import compiled_kernel
 from llmc.runtime.layers.linear import Int4CpuLinear
-from llmc.runtime.llm_engine import LLMEngine
+from llmc.runtime.llm import LLM
 from llmc.runtime.sampling_params import SamplingParams
 
 WORDS = CORPUS.split()
@@ -43,11 +43,11 @@ def reference(artifact) -> list[list[int]]:
     return outputs
 
 
-def engine(artifact, **overrides) -> LLMEngine:
-    return LLMEngine(str(artifact), EngineConfig(dtype=torch.float32, **overrides))
+def engine(artifact, **overrides) -> LLM:
+    return LLM(str(artifact), EngineConfig(dtype=torch.float32, **overrides))
 
 
-def assert_no_blocks_in_use(llm: LLMEngine):
+def assert_no_blocks_in_use(llm: LLM):
     assert llm.block_manager.num_used_blocks == 0 and not llm.sequences and not llm.has_unfinished()
 
 
@@ -114,7 +114,7 @@ def test_hidden_states_are_kept_only_where_each_token_is_computed_once(artifact)
 
 
 def test_bfloat16_engine_runs_the_int4_kernel(artifact):
-    llm = LLMEngine(str(artifact), EngineConfig(dtype=torch.bfloat16))
+    llm = LLM(str(artifact), EngineConfig(dtype=torch.bfloat16))
     kernels = {type(module) for module in llm.runner.model.modules()}
     assert (Int4CpuLinear in kernels) == ("-sym-" in artifact.parent.name)
     outputs = llm.generate(PROMPTS[:3], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
@@ -122,7 +122,7 @@ def test_bfloat16_engine_runs_the_int4_kernel(artifact):
 
 
 @pytest.fixture(scope="module")
-def llm(artifact) -> LLMEngine:
+def llm(artifact) -> LLM:
     return engine(artifact)
 
 

@@ -9,11 +9,11 @@ import torch
 from conftest import CORPUS, write_recipe
 
 from llmc.evals.loading import load_model
-from llmc.pipeline import run_quantize
-from llmc.recipe import load_recipe
+from llmc.pipeline.quantize import run_quantize
+from llmc.pipeline.recipe import load_recipe
 from llmc.runtime.engine.config import EngineConfig
 from llmc.runtime.layers.quantized_input_linear import QuantizedInputLinear
-from llmc.runtime.llm_engine import LLMEngine
+from llmc.runtime.llm import LLM
 from llmc.runtime.sampling_params import SamplingParams
 
 REPO = Path(__file__).resolve().parents[1]
@@ -44,7 +44,7 @@ def emulated_greedy(artifact: Path) -> list[list[int]]:
 
 
 def test_engine_quantizes_activations_and_kv_like_the_emulation(artifact):
-    llm = LLMEngine(str(artifact), EngineConfig(dtype=torch.float32, num_kv_blocks=32))
+    llm = LLM(str(artifact), EngineConfig(dtype=torch.float32, num_kv_blocks=32))
     assert llm.runner.kv_cache.dtype == torch.float8_e4m3fn
     layer = llm.runner.model.layers[0]
     assert isinstance(layer.self_attn.qkv_proj, QuantizedInputLinear) and isinstance(layer.mlp.down_proj, QuantizedInputLinear)
@@ -64,11 +64,11 @@ class Absent(importlib.abc.MetaPathFinder):
 sys.meta_path.insert(0, Absent())
 import torch
 from llmc.runtime.engine.config import EngineConfig
-from llmc.runtime.llm_engine import LLMEngine
+from llmc.runtime.llm import LLM
 from llmc.runtime.sampling_params import SamplingParams
 import llmc.runtime.engine.cuda_graphs, llmc.runtime.layers.triton_attention, llmc.runtime.layers.triton_w4a16
 import llmc.runtime.layers.triton_act_quant, llmc.runtime.layers.triton_elementwise
-llm = LLMEngine(sys.argv[1], EngineConfig(dtype=torch.float32, num_kv_blocks=16))
+llm = LLM(sys.argv[1], EngineConfig(dtype=torch.float32, num_kv_blocks=16))
 out = llm.generate(["The quick brown fox"], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
 assert len(out[0]["token_ids"]) == 4
 print("ok", sorted(name for name in sys.modules if name.split(".")[0] in ABSENT))

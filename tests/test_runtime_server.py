@@ -10,10 +10,10 @@ import pytest
 import torch
 from conftest import CORPUS, in_process_server, llmc_serve, wait_until, write_recipe
 
-from llmc.pipeline import run_quantize
-from llmc.recipe import load_recipe
+from llmc.pipeline.quantize import run_quantize
+from llmc.pipeline.recipe import load_recipe
 from llmc.runtime.engine.config import EngineConfig
-from llmc.runtime.llm_engine import LLMEngine
+from llmc.runtime.llm import LLM
 from llmc.runtime.sampling_params import SamplingParams
 from llmc.runtime.serving.engine_process import EngineProcess
 
@@ -36,7 +36,7 @@ def server(artifact):
     config = EngineConfig(dtype=torch.float32, max_num_seqs=MAX_NUM_SEQS, num_kv_blocks=64)
     engine = EngineProcess(artifact, config, threads=1, max_waiting=MAX_WAITING)
     with in_process_server(engine, API_KEY) as running:
-        running.llm = LLMEngine(str(artifact), config)
+        running.llm = LLM(str(artifact), config)
         yield running
 
 
@@ -46,7 +46,7 @@ def idle(server) -> bool:
 
 
 def test_completions_match_offline_generation_and_stream_the_same_text(server, artifact):
-    offline = LLMEngine(str(artifact), EngineConfig(dtype=torch.float32))
+    offline = LLM(str(artifact), EngineConfig(dtype=torch.float32))
     expected = offline.generate([PROMPT], SamplingParams(temperature=0, max_tokens=20, ignore_eos=True))[0]
     args = dict(model="tiny", prompt=PROMPT, max_tokens=20, temperature=0, extra_body={"ignore_eos": True})
     response = server.client.completions.create(**args)
@@ -61,7 +61,7 @@ def test_completions_match_offline_generation_and_stream_the_same_text(server, a
 
 def test_chat_uses_the_chat_template_and_streams(server, artifact):
     messages = [{"role": "user", "content": "Quantization maps real numbers"}]
-    offline = LLMEngine(str(artifact), EngineConfig(dtype=torch.float32))
+    offline = LLM(str(artifact), EngineConfig(dtype=torch.float32))
     prompt = offline.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
     expected = offline.generate([prompt], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))[0]["text"]
     args = dict(model="tiny", messages=messages, max_tokens=12, temperature=0, extra_body={"ignore_eos": True})

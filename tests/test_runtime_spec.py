@@ -11,7 +11,7 @@ from llmc.draft.config import DraftConfig
 from llmc.runtime.engine.config import EngineConfig
 from llmc.runtime.engine.draft_tree import ROOT, DraftTree
 from llmc.runtime.layers.linear import Int8CpuLinear
-from llmc.runtime.llm_engine import LLMEngine
+from llmc.runtime.llm import LLM
 from llmc.runtime.sampling_params import SamplingParams
 from llmc.runtime.speculative.acceptance import greedy_accept, rejection_sample
 from llmc.runtime.speculative.governor import DraftGovernor
@@ -125,13 +125,13 @@ def test_bfloat16_drafts_read_int8_weights_and_greedy_output_stays_exact(tiny_ll
     params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
     settings = dict(dtype=torch.bfloat16, block_size=4, num_kv_blocks=48, adaptive_speculation=False, speculative_tree_nodes=6,
                     speculative_min_confidence=0.0)
-    engine = LLMEngine(tiny_llama, EngineConfig(speculative=draft if method == "medusa" else trained_eagle, **settings))
+    engine = LLM(tiny_llama, EngineConfig(speculative=draft if method == "medusa" else trained_eagle, **settings))
     proposer = engine.runner.speculator.proposer
     heads = proposer.heads if method == "medusa" else proposer.draft
     linears = [module for module in heads.modules() if isinstance(module, Int8CpuLinear)]
     assert linears and not any(isinstance(module, torch.nn.Linear) for module in heads.modules())
     assert method == "medusa" or isinstance(proposer.guess, Int8CpuLinear)
-    plain = LLMEngine(tiny_llama, EngineConfig(dtype=torch.bfloat16, block_size=4, num_kv_blocks=48))
+    plain = LLM(tiny_llama, EngineConfig(dtype=torch.bfloat16, block_size=4, num_kv_blocks=48))
     assert [out["token_ids"] for out in engine.generate(prompts, params)] == [out["token_ids"] for out in plain.generate(prompts, params)]
     assert engine.runner.speculator.stats.num_accepted_tokens > 0
 
@@ -148,10 +148,10 @@ def test_a_tree_level_keeps_the_most_probable_paths_below_any_node():
     assert [tree.parents[node] for node in third] == [2, 3] and [tree.tokens[node] for node in third] == [9, 3]
 
 
-def build(model: Path, **kwargs) -> LLMEngine:
+def build(model: Path, **kwargs) -> LLM:
     # draft every step, a chain of every node the draft guesses, unless a test says otherwise
     settings = {"num_kv_blocks": 48, "adaptive_speculation": False, "speculative_tree_nodes": 0, "speculative_min_confidence": 0.0} | kwargs
-    return LLMEngine(model, EngineConfig(dtype=torch.float32, block_size=4, **settings))
+    return LLM(model, EngineConfig(dtype=torch.float32, block_size=4, **settings))
 
 
 @pytest.mark.parametrize("tree_nodes", [0, 6], ids=["chain", "tree"])
@@ -228,7 +228,7 @@ def test_governor_times_steps_per_batch_size_and_pools_acceptance_over_all_of_th
     assert governor.rate(8, True) / at_8 == pytest.approx(governor.rate(2, True) / 50)  # batch 8 knows it too
 
 
-def eagle_paused_for_8_steps(tiny_llama: Path, trained_eagle: Path) -> LLMEngine:
+def eagle_paused_for_8_steps(tiny_llama: Path, trained_eagle: Path) -> LLM:
     """An EAGLE engine whose governor drafts the first 3 decisions, pauses for the next 8, then drafts on."""
     engine = build(tiny_llama, speculative=trained_eagle, adaptive_speculation=True, num_speculative_tokens=3, speculative_tree_nodes=6)
     decisions = iter([True] * 3 + [False] * 8 + [True] * 100)
@@ -380,7 +380,7 @@ def test_rejection_sampling_follows_the_target_distribution(tree):
 
 
 def test_metrics_expose_acceptance(tiny_llama, trained):
-    from llmc.runtime.serving.metrics import EngineCollector
+    from llmc.runtime.serving.prometheus import EngineCollector
 
     draft, prompts = trained
     engine = build(tiny_llama, speculative=draft)

@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from llmc import serve_vllm
-from llmc.errors import LlmcError
+from llmc.core.errors import LlmcError
+from llmc.external import vllm_server
 
 
 def llmc_serve(*args: str) -> subprocess.CompletedProcess:
@@ -61,24 +61,24 @@ def test_vllm_arguments_need_the_vllm_engine():
 
 def test_llmc_options_map_onto_vllm_flags():
     options = {"kv_cache_gib": 0.5, "no_prefix_caching": True, "max_num_batched_tokens": 256}
-    command = serve_vllm.vllm_command("/bin/vllm", "art", "127.0.0.1", 8000, None, "art", options)
+    command = vllm_server.vllm_command("/bin/vllm", "art", "127.0.0.1", 8000, None, "art", options)
     assert command[command.index("--kv-cache-memory-bytes") + 1] == str(2**29)
     assert "--no-enable-prefix-caching" in command and command[-2:] == ["--max-num-batched-tokens", "256"]
     with pytest.raises(LlmcError, match="--num-speculative-tokens: no vLLM equivalent"):
-        serve_vllm.vllm_command("/bin/vllm", "art", "127.0.0.1", 8000, None, "art", {"num_speculative_tokens": 3})
+        vllm_server.vllm_command("/bin/vllm", "art", "127.0.0.1", 8000, None, "art", {"num_speculative_tokens": 3})
 
 
 def test_vllm_is_looked_up_on_path_then_in_the_repository(tmp_path, monkeypatch):
     monkeypatch.setenv("PATH", str(tmp_path))
-    monkeypatch.setattr(serve_vllm, "REPO_VENV_VLLM", tmp_path / "venv" / "bin" / "vllm")
+    monkeypatch.setattr(vllm_server, "REPO_VENV_VLLM", tmp_path / "venv" / "bin" / "vllm")
     with pytest.raises(LlmcError, match="vLLM not found: no `vllm` on PATH nor .*venv/bin/vllm; install it"):
-        serve_vllm.find_vllm(None)
-    serve_vllm.REPO_VENV_VLLM.parent.mkdir(parents=True)
-    serve_vllm.REPO_VENV_VLLM.write_text("#!/bin/sh\n")
-    serve_vllm.REPO_VENV_VLLM.chmod(0o755)
-    assert serve_vllm.find_vllm(None) == str(serve_vllm.REPO_VENV_VLLM)
+        vllm_server.find_vllm(None)
+    vllm_server.REPO_VENV_VLLM.parent.mkdir(parents=True)
+    vllm_server.REPO_VENV_VLLM.write_text("#!/bin/sh\n")
+    vllm_server.REPO_VENV_VLLM.chmod(0o755)
+    assert vllm_server.find_vllm(None) == str(vllm_server.REPO_VENV_VLLM)
     on_path = tmp_path / "vllm"
     on_path.write_text("#!/bin/sh\n")
     on_path.chmod(0o755)
-    assert serve_vllm.find_vllm(None) == str(on_path)
-    assert serve_vllm.find_vllm("vllm") == str(on_path)
+    assert vllm_server.find_vllm(None) == str(on_path)
+    assert vllm_server.find_vllm("vllm") == str(on_path)

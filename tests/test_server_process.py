@@ -2,8 +2,8 @@ import sys
 
 import pytest
 
-from llmc.errors import LlmcError
-from llmc.server_process import free_port, served
+from llmc.core.errors import LlmcError
+from llmc.external.server_process import free_port, served
 
 
 def test_a_server_is_used_once_it_answers_and_stopped_on_the_way_out(tmp_path):

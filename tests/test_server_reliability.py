@@ -14,7 +14,7 @@ import torch
 from conftest import CORPUS, build_tiny_model, in_process_server, wait_until
 
 from llmc.runtime.engine.config import EngineConfig
-from llmc.runtime.llm_engine import LLMEngine
+from llmc.runtime.llm import LLM
 from llmc.runtime.sampling_params import SamplingParams
 from llmc.runtime.serving.async_engine import AsyncLLMEngine
 from llmc.runtime.serving.engine_process import EngineProcess
@@ -212,13 +212,13 @@ class FailingRunner:
 
 @pytest.fixture(scope="module")
 def poisoned_engine(long_model):
-    engine = LLMEngine(long_model, config(num_kv_blocks=256))
+    engine = LLM(long_model, config(num_kv_blocks=256))
     engine.runner = FailingRunner(engine.runner)
     return engine
 
 
 def test_an_error_in_one_request_ends_it_alone_in_the_engine(poisoned_engine, long_model):
-    reference = LLMEngine(long_model, config(num_kv_blocks=256))
+    reference = LLM(long_model, config(num_kv_blocks=256))
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
     prompts = [[5, 6, 7, 8], [FailingRunner.POISON, 6, 7], [9, 10, 11]]
     for prompt in prompts:

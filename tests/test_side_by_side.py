@@ -12,8 +12,8 @@ from llmc.evals.generation import GenerationRequest, make_generator
 from llmc.evals.loading import load_model
 from llmc.evals.report import write_report
 from llmc.evals.suite import EvalTarget, evaluate_side_by_side
-from llmc.pipeline import run_quantize
-from llmc.recipe import load_recipe
+from llmc.pipeline.quantize import run_quantize
+from llmc.pipeline.recipe import load_recipe
 
 PROMPTS = ["The quick brown fox", "A stitch in time", "Quantization maps real numbers", "Every generated token",
            "memory bandwidth", "the lazy dog", "trading accuracy for", "integers"]

@@ -4,14 +4,14 @@ from conftest import write_recipe
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from llmc.calib.driver import layer_linears
-from llmc.errors import LlmcError
+from llmc.checkpoints.families import family_for
+from llmc.core.errors import LlmcError
 from llmc.evals.loading import load_model
-from llmc.models.families import family_for
-from llmc.pipeline import run_quantize
+from llmc.pipeline.quantize import run_quantize
+from llmc.pipeline.recipe import load_recipe
 from llmc.quant.layer import LayerRunner, LayerWork, recording
 from llmc.quant.qtypes import QuantArgs
 from llmc.quant.smoothquant import SmoothQuantStage, SmoothQuantTransform
-from llmc.recipe import load_recipe
 
 W8 = QuantArgs(num_bits=8, strategy="channel")
 PREFIX = "model.layers.0"

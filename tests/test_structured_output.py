@@ -8,13 +8,12 @@ import pytest
 import torch
 from conftest import CORPUS
 
-from llmc.errors import LlmcError
+from llmc.core.errors import LlmcError
 from llmc.runtime.engine.config import EngineConfig
 from llmc.runtime.engine.draft_tree import DraftTree
 from llmc.runtime.engine.grammar import GrammarCompiler, masked_tree_logits
-from llmc.runtime.llm_engine import LLMEngine
-from llmc.runtime.sampling_params import SamplingParams
-from llmc.runtime.structured_output import StructuredOutput
+from llmc.runtime.llm import LLM
+from llmc.runtime.sampling_params import SamplingParams, StructuredOutput
 
 PROMPT = " ".join(CORPUS.split()[:10])
 # strings bounded by pattern: xgrammar 0.2.9 lowers minLength/maxLength to a character class that admits raw control
@@ -68,8 +67,8 @@ def assert_valid(outputs: list[dict], schemas: list[dict]) -> None:
         jsonschema.validate(json.loads(output["text"]), schema)
 
 
-def engine(model, **overrides) -> LLMEngine:
-    return LLMEngine(model, EngineConfig(dtype=torch.float32, max_num_seqs=2 * len(SCHEMAS), **overrides))
+def engine(model, **overrides) -> LLM:
+    return LLM(model, EngineConfig(dtype=torch.float32, max_num_seqs=2 * len(SCHEMAS), **overrides))
 
 
 def test_twenty_schemas_greedy_and_sampled_in_one_batch_all_validate(tiny_llama):

@@ -10,7 +10,7 @@ from test_runtime_server import API_KEY, idle, post
 from transformers import AutoTokenizer
 
 from llmc.runtime.engine.config import EngineConfig
-from llmc.runtime.llm_engine import LLMEngine
+from llmc.runtime.llm import LLM
 from llmc.runtime.serving.async_engine import AsyncLLMEngine
 from llmc.runtime.serving.tool_calls import (
     NamedToolChoice,
@@ -40,7 +40,7 @@ def model(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def server(model):
-    engine = AsyncLLMEngine(LLMEngine(model, EngineConfig(dtype=torch.float32, num_kv_blocks=256)))
+    engine = AsyncLLMEngine(LLM(model, EngineConfig(dtype=torch.float32, num_kv_blocks=256)))
     with in_process_server(engine, API_KEY) as running:
         yield running
 

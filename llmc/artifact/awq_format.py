@@ -4,7 +4,7 @@
 import torch
 
 from llmc.artifact.pack import pack_int32, unpack_int32
-from llmc.models.checkpoint import CheckpointReader
+from llmc.checkpoints.checkpoint_reader import CheckpointReader
 from llmc.quant.qtypes import QuantArgs, QuantizedWeight
 
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)

@@ -2,7 +2,7 @@
 so that reading a recipe does not import compressed-tensors)."""
 from typing import Literal
 
-from llmc.schema import StrictModel
+from llmc.core.schema import StrictModel
 
 
 class ExportConfig(StrictModel):

@@ -6,7 +6,7 @@ import torch
 
 import llmc
 from llmc.artifact.pack import pack_int32, unpack_int32
-from llmc.models.checkpoint import CheckpointReader
+from llmc.checkpoints.checkpoint_reader import CheckpointReader
 from llmc.quant.qtypes import QuantArgs, QuantizedWeight
 
 

@@ -12,7 +12,7 @@ from llmc.artifact.awq_format import args_from_awq_config, read_awq_weight
 from llmc.artifact.ct_config import kv_cache_args_from_config, schemes_from_config
 from llmc.artifact.gptq_format import args_from_gptq_config, read_gptq_weight
 from llmc.artifact.pack import unpack_int32
-from llmc.models.checkpoint import CheckpointReader
+from llmc.checkpoints.checkpoint_reader import CheckpointReader
 from llmc.quant.qtypes import QuantArgs, QuantizedWeight
 from llmc.quant.targets import matches
 

@@ -30,8 +30,8 @@ from llmc.artifact.writer import (
     sha256_of_files,
 )
 from llmc.calib.driver import EmitLayer, LayerReport, Resumption
-from llmc.errors import LlmcError
-from llmc.models.checkpoint import CheckpointReader
+from llmc.checkpoints.checkpoint_reader import CheckpointReader
+from llmc.core.errors import LlmcError
 from llmc.quant.layer import COMPUTE_DTYPE
 from llmc.quant.qtypes import QuantizedWeight
 

@@ -18,9 +18,9 @@ from safetensors.torch import save_file
 from torch import nn
 
 from llmc.artifact.compressed_tensors import compressed_tensors_tensors
-from llmc.errors import LlmcError
+from llmc.core.errors import LlmcError
+from llmc.core.staging import OutputTaken, check_output, move_into_place, unique_sibling
 from llmc.quant.qtypes import QuantizedWeight
-from llmc.staging import OutputTaken, check_output, move_into_place, unique_sibling
 
 PackLinear = Callable[[str, QuantizedWeight], dict[str, torch.Tensor]]
 MANIFEST = "llmc.json"

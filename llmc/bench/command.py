@@ -8,16 +8,16 @@ from transformers import AutoTokenizer
 
 from llmc.bench.hf_baseline import hf_baseline
 from llmc.bench.load import PERCENTILES, bench_engine, bench_url
-from llmc.models.spec import resolve_model
-from llmc.prompts import load_prompts
-from llmc.runtime.llm_engine import LLMEngine
+from llmc.checkpoints.spec import resolve_model
+from llmc.core.prompts import load_prompts
+from llmc.runtime.llm import LLM
 from llmc.runtime.serving.async_engine import AsyncLLMEngine
 
 RUNS = ("llmc", "hf")
 
 
 def run_bench(model: str, dataset: Path, num_prompts: int, chat_template: bool, shared_prefix_tokens: int, load: dict,
-              engine: LLMEngine | None = None, url: str | None = None, api_key: str | None = None,
+              engine: LLM | None = None, url: str | None = None, api_key: str | None = None,
               baseline_num_prompts: int | None = None, baseline: bool = False) -> dict:
     """load: run_load's max_tokens, concurrency, request_rate, cancel_fraction and seed. Against `url` when given,
     else the in-process `engine`; with `baseline`, transformers on the first baseline_num_prompts prompts too."""

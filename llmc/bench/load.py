@@ -12,7 +12,7 @@ import httpx
 import numpy as np
 
 from llmc.bench.kv_sampler import KvSampler
-from llmc.errors import LlmcError
+from llmc.core.errors import LlmcError
 from llmc.runtime.sampling_params import SamplingParams
 from llmc.runtime.serving.async_engine import AsyncLLMEngine
 

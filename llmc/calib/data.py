@@ -9,9 +9,9 @@ from typing import Literal
 import torch
 from pydantic import Field
 
-from llmc.errors import LlmcError
-from llmc.models.hub import require_hub
-from llmc.schema import StrictModel
+from llmc.checkpoints.hub import require_hub
+from llmc.core.errors import LlmcError
+from llmc.core.schema import StrictModel
 
 LOCAL_BUILDERS = {".txt": "text", ".jsonl": "json", ".json": "json", ".parquet": "parquet"}
 

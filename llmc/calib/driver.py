@@ -18,9 +18,9 @@ from tqdm import tqdm
 from llmc.calib.data import CalibrationSet
 from llmc.calib.memory import activations_fit_device
 from llmc.calib.observers import observing_scales
-from llmc.models.checkpoint import CheckpointReader
-from llmc.models.families import Family, family_for
-from llmc.models.moe import linearize_experts
+from llmc.checkpoints.calibration_moe import linearize_experts
+from llmc.checkpoints.checkpoint_reader import CheckpointReader
+from llmc.checkpoints.families import Family, family_for
 from llmc.quant.kvcache import KV_ATTENTION
 from llmc.quant.layer import COMPUTE_DTYPE, CPU, LayerRunner, LayerWork, Modifier, recording
 from llmc.quant.plan import QuantizationPlan

@@ -5,8 +5,8 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
-from llmc.errors import LlmcError
-from llmc.models.families import family_for
+from llmc.checkpoints.families import family_for
+from llmc.core.errors import LlmcError
 
 GIB = 2**30
 FLOAT32 = 4

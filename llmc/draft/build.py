@@ -11,20 +11,20 @@ from transformers import AutoConfig
 
 from llmc.artifact.reader import DRAFT_DIR
 from llmc.artifact.writer import MANIFEST, staged_copy, write_manifest
+from llmc.core.errors import LlmcError
+from llmc.core.prompts import check_prompt_files
 from llmc.draft.config import DraftConfig
 from llmc.draft.data import DistillSet, cached_self_distill, distill_engine
 from llmc.draft.eagle3 import train_eagle3
-from llmc.draft.export import VLLM_DIR, VLLM_METHODS, export_for_vllm
 from llmc.draft.features import OnlineFeatures, StoredFeatures, check_stored_features_fit, feature_mode
 from llmc.draft.labels import NOT_LEARNED
 from llmc.draft.losses import eagle_loss, medusa_labels, medusa_loss, unrolled
 from llmc.draft.train import TrainConfig, train
+from llmc.draft.vllm_export import VLLM_DIR, VLLM_METHODS, export_for_vllm
 from llmc.draft.vocabulary import draft_vocabulary, held_out_split
 from llmc.draft.windows import WindowSampler, held_out_windows, window_length
-from llmc.errors import LlmcError
-from llmc.prompts import check_prompt_files
 from llmc.runtime.engine.config import EngineConfig, native_bfloat16
-from llmc.runtime.llm_engine import LLMEngine
+from llmc.runtime.llm import LLM
 from llmc.runtime.models.llama import aux_layer_ids
 from llmc.runtime.models.loader import WeightLoader
 from llmc.runtime.sampling_params import SamplingParams
@@ -91,7 +91,7 @@ def held_out_acceptance(artifact: Path, folder: Path, data: DistillSet, device: 
     if not held_out:
         return None
     dtype = torch.bfloat16 if native_bfloat16(str(device)) else torch.float32
-    engine = LLMEngine(artifact, EngineConfig(
+    engine = LLM(artifact, EngineConfig(
         device=str(device), dtype=dtype, speculative=folder, adaptive_speculation=False, enable_prefix_caching=False,
         num_speculative_tokens=COMPARISON_CHAIN, speculative_tree_nodes=0, speculative_min_confidence=0.0,
     ))

@@ -3,7 +3,7 @@ from typing import Literal
 
 from pydantic import Field, field_validator, model_validator
 
-from llmc.schema import StrictModel
+from llmc.core.schema import StrictModel
 
 # training steps: Medusa heads learn fast; EAGLE's layers see 512 tokens a step, EAGLE-3's cost more (steps=2000 is its
 # smaller setting; what each costs: docs/speculative.md)

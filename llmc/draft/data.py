@@ -21,14 +21,14 @@ from tqdm import tqdm
 from llmc.artifact.reader import DRAFT_DIR
 from llmc.artifact.resume import REPORT_DIR
 from llmc.artifact.writer import MANIFEST, RECIPE
-from llmc.errors import LlmcError
-from llmc.models.spec import llmc_home
-from llmc.prompts import check_not_eval_set, distinct_prompts, read_prompt_texts
+from llmc.checkpoints.spec import llmc_home
+from llmc.core.errors import LlmcError
+from llmc.core.prompts import check_not_eval_set, distinct_prompts, read_prompt_texts
+from llmc.core.staging import unique_sibling
 from llmc.runtime.engine.config import EngineConfig, native_bfloat16
 from llmc.runtime.engine.sequence import Sequence
-from llmc.runtime.llm_engine import LLMEngine
+from llmc.runtime.llm import LLM
 from llmc.runtime.sampling_params import SamplingParams
-from llmc.staging import unique_sibling
 
 DISTILL_SEQS = 128  # answers generated side by side: on CPU, wider float32 matmuls cost less per token
 DISTILL_KV_GIB = 2.0  # their KV cache in float32 (46 KiB a token for SmolLM2): no preemption at 128 x ~250 tokens
@@ -69,12 +69,12 @@ class DistillSet:
 
 
 def distill_engine(artifact: Path, device: torch.device | str, aux_layers: tuple[int, ...] = (), keep_features: bool = True,
-                   max_len: int = DISTILL_MAX_LEN) -> LLMEngine:
+                   max_len: int = DISTILL_MAX_LEN) -> LLM:
     """The runtime engine the target's answers and features come from: its own weights dequantized onto dense matmuls,
     every token's final hidden state kept (and the aux layers' residual stream) with keep_features."""
     device = torch.device(device)
     dtype = torch.bfloat16 if native_bfloat16(str(device)) else torch.float32  # emulated bfloat16 is slower than float32
-    return LLMEngine(artifact, EngineConfig(device=str(device),
+    return LLM(artifact, EngineConfig(device=str(device),
         enable_prefix_caching=False, max_model_len=max_len, dtype=dtype, dense_weights=True, keep_hidden_states=keep_features,
         max_num_seqs=DISTILL_SEQS, max_num_batched_tokens=2 * 512, kv_cache_gib=DISTILL_KV_GIB,
         aux_hidden_layers=aux_layers if keep_features else (),
@@ -108,7 +108,7 @@ def columns(answers: list[Answer]) -> tuple[list[list[int]], list[torch.Tensor] 
     return [a.token_ids for a in answers], hidden, [a.answer_start for a in answers], aux
 
 
-def answer_prompts(engine: LLMEngine, prompts: list[str], max_tokens: int, parts: Path) -> dict[int, Answer]:
+def answer_prompts(engine: LLM, prompts: list[str], max_tokens: int, parts: Path) -> dict[int, Answer]:
     """Every prompt's answer by its index: those saved in `parts` read back, the others generated and saved there."""
     answers = load_parts(parts)
     seqs = {str(index): engine.add_request(prompt, SamplingParams(temperature=0, max_tokens=max_tokens), str(index))

@@ -15,12 +15,12 @@ from transformers import AutoConfig, AutoTokenizer
 
 from llmc.artifact.writer import MANIFEST
 from llmc.calib.memory import GIB, available_host_bytes
+from llmc.checkpoints.spec import llmc_home
+from llmc.core.errors import LlmcError
+from llmc.core.prompts import distinct_prompts, read_prompt_texts
 from llmc.draft.config import DraftConfig
 from llmc.draft.data import DistillSet, distill_cache_path, sequence_features
-from llmc.errors import LlmcError
-from llmc.models.spec import llmc_home
-from llmc.prompts import distinct_prompts, read_prompt_texts
-from llmc.runtime.llm_engine import LLMEngine
+from llmc.runtime.llm import LLM
 from llmc.runtime.sampling_params import SamplingParams
 
 PREFILL_ONLY = SamplingParams(temperature=0, max_tokens=1)  # the features come from the prefill; the token is dropped
@@ -96,7 +96,7 @@ class StoredFeatures:
 
 @dataclass(slots=True)
 class OnlineFeatures:
-    engine: LLMEngine  # distill_engine with the draft's aux layers
+    engine: LLM  # distill_engine with the draft's aux layers
     token_ids: list[list[int]]  # the answers (prompt + answer)
 
     def __call__(self, indices: list[int]) -> list[tuple[torch.Tensor, torch.Tensor]]:

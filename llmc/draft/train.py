@@ -11,7 +11,7 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 from tqdm import tqdm
 
-from llmc.plot import saved_figure
+from llmc.core.plot import saved_figure
 from llmc.runtime.engine.config import native_bfloat16
 
 CHECKPOINT = "checkpoint.safetensors"

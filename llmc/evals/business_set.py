@@ -4,7 +4,7 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from llmc.errors import LlmcError
+from llmc.core.errors import LlmcError
 
 METRICS = ("exact", "contains", "regex", "rouge_l", "json_match", "choice")
 FIELDS = {"id", "prompt", "messages", "reference", "references", "choices", "metric", "tags", "max_tokens", "system"}

@@ -2,10 +2,10 @@
 over them."""
 from pydantic import Field, model_validator
 
-from llmc.errors import LlmcError
+from llmc.core.errors import LlmcError
+from llmc.core.schema import StrictModel
+from llmc.core.validation import validated
 from llmc.evals.gate import GateConfig
-from llmc.schema import StrictModel
-from llmc.validation import validated
 
 
 class PerplexityEval(StrictModel):

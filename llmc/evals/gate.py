@@ -3,8 +3,8 @@ from dataclasses import asdict, dataclass
 
 from pydantic import Field
 
-from llmc.errors import LlmcError
-from llmc.schema import StrictModel
+from llmc.core.errors import LlmcError
+from llmc.core.schema import StrictModel
 
 
 class GateConfig(StrictModel):

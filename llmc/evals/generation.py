@@ -5,7 +5,7 @@ from typing import Protocol
 
 import torch
 
-from llmc.errors import LlmcError
+from llmc.core.errors import LlmcError
 from llmc.evals.loading import LoadedModel
 
 

@@ -10,7 +10,7 @@ from lm_eval.api.registry import register_model
 from lm_eval.models.huggingface import HFLM
 from lm_eval.tasks import TaskManager
 
-from llmc.errors import LlmcError
+from llmc.core.errors import LlmcError
 from llmc.evals.loading import LoadedModel, load_model
 from llmc.evals.task_yaml import check_task_code, task_name
 

@@ -8,11 +8,11 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
 from llmc.artifact.reader import dense_state_dict, is_artifact, runtime_quantization
-from llmc.errors import LlmcError
+from llmc.checkpoints.calibration_moe import linearize_experts
+from llmc.checkpoints.families import family_for
+from llmc.checkpoints.spec import resolve_model
+from llmc.core.errors import LlmcError
 from llmc.evals.emulation import emulate_runtime_quantization
-from llmc.models.families import family_for
-from llmc.models.moe import linearize_experts
-from llmc.models.spec import resolve_model
 
 
 @dataclass

@@ -6,8 +6,8 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from llmc.errors import LlmcError
-from llmc.models.hub import require_hub
+from llmc.checkpoints.hub import require_hub
+from llmc.core.errors import LlmcError
 
 HUB_TEXTS = {"wikitext2": ("wikitext", "wikitext-2-raw-v1", "test")}
 

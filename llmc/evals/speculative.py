@@ -9,21 +9,21 @@ import torch
 from rich.table import Table
 from transformers import AutoTokenizer
 
-from llmc.errors import LlmcError
-from llmc.models.spec import resolve_model
-from llmc.plot import saved_figure
-from llmc.prompts import distinct_prompts
+from llmc.checkpoints.spec import resolve_model
+from llmc.core.errors import LlmcError
+from llmc.core.plot import saved_figure
+from llmc.core.prompts import distinct_prompts
 from llmc.runtime.engine.config import EngineConfig
-from llmc.runtime.llm_engine import LLMEngine
+from llmc.runtime.engine.engine_stats import SpeculativeStats
+from llmc.runtime.llm import LLM
 from llmc.runtime.sampling_params import SamplingParams
 from llmc.runtime.speculative.shape import COMPARISON_CHAIN
-from llmc.runtime.speculative.stats import SpeculativeStats
 from llmc.runtime.speculative.store import draft_folder
 
 CONCURRENCY_ROUNDS = 3  # the engines take turns, so that a slow spell of the machine falls on each of them
 
 
-def timed_generate(engine: LLMEngine, prompts: list[str], params: SamplingParams) -> tuple[list[list[int]], float]:
+def timed_generate(engine: LLM, prompts: list[str], params: SamplingParams) -> tuple[list[list[int]], float]:
     started = time.perf_counter()
     outputs = engine.generate(prompts, params)
     return [output["token_ids"] for output in outputs], time.perf_counter() - started
@@ -33,9 +33,9 @@ def speculative_eval(model: str, draft: Path, prompts: list[str], max_tokens: in
                      shape: dict | None = None, device: torch.device | str = "cpu") -> dict:
     """shape: EngineConfig's num_speculative_tokens, speculative_tree_nodes and speculative_min_confidence."""
     settings = dict(dtype=dtype, max_num_seqs=max(concurrency, 1), enable_prefix_caching=False, device=str(device))
-    plain = LLMEngine(model, EngineConfig(**settings))
-    speculative = LLMEngine(model, EngineConfig(**settings, speculative=draft, adaptive_speculation=False, **(shape or {})))
-    served = LLMEngine(model, EngineConfig(**settings, speculative=draft, **(shape or {})))
+    plain = LLM(model, EngineConfig(**settings))
+    speculative = LLM(model, EngineConfig(**settings, speculative=draft, adaptive_speculation=False, **(shape or {})))
+    served = LLM(model, EngineConfig(**settings, speculative=draft, **(shape or {})))
     params = SamplingParams(temperature=0, max_tokens=max_tokens)
     for engine in (plain, speculative, served):  # warm-up
         engine.generate(prompts[:1], SamplingParams(temperature=0, max_tokens=8))

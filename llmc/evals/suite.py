@@ -4,7 +4,7 @@ from dataclasses import dataclass
 
 import torch
 
-from llmc.errors import LlmcError
+from llmc.core.errors import LlmcError
 from llmc.evals.business import BusinessResult, compare_business, recovery, run_business
 from llmc.evals.business_set import BusinessItem
 from llmc.evals.config import EvalConfig

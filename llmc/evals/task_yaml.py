@@ -7,7 +7,7 @@ from pathlib import Path
 
 import yaml
 
-from llmc.errors import LlmcError
+from llmc.core.errors import LlmcError
 
 ALLOW_CODE_HINT = "pass --allow-task-code to `llmc eval` (in a recipe: eval.tasks.allow_code: true) if you trust it"
 

@@ -13,11 +13,11 @@ from pathlib import Path
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
-from llmc.draft.export import NOT_EXPORTABLE, VLLM_DIR, VLLM_METHODS, export_for_vllm
-from llmc.errors import LlmcError
+from llmc.core.errors import LlmcError
+from llmc.draft.vllm_export import NOT_EXPORTABLE, VLLM_DIR, VLLM_METHODS, export_for_vllm
+from llmc.external.server_process import free_port, served
+from llmc.external.vllm_server import find_vllm, vllm_model
 from llmc.runtime.speculative.store import read_draft_config
-from llmc.serve_vllm import find_vllm, vllm_model
-from llmc.server_process import free_port, served
 
 SERVED_NAME = "llmc-eval"
 STARTUP_TIMEOUT_S = 900

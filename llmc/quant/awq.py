@@ -9,11 +9,11 @@ import torch
 from pydantic import Field
 from torch import nn
 
-from llmc.models.families import Family, ScalingPair
+from llmc.checkpoints.families import Family, ScalingPair
+from llmc.core.schema import StrictModel
 from llmc.quant.layer import LayerWork
 from llmc.quant.qtypes import QuantArgs, QuantizedWeight, fake_quantize
 from llmc.quant.ranks import Ranks
-from llmc.schema import StrictModel
 
 CLIP_TOKENS = 512  # evenly spaced calibration tokens for the clip search, as AutoAWQ samples
 

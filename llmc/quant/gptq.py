@@ -7,7 +7,7 @@ import torch
 from pydantic import Field, model_validator
 from torch import nn
 
-from llmc.models.families import Family
+from llmc.checkpoints.families import Family
 from llmc.quant.layer import LayerWork
 from llmc.quant.qtypes import (
     QuantArgs,

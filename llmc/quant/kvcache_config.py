@@ -2,8 +2,8 @@
 `kvcache.py`, kept apart so that reading a recipe does not import transformers' attention)."""
 from typing import Literal
 
+from llmc.core.schema import StrictModel
 from llmc.quant.qtypes import QuantArgs
-from llmc.schema import StrictModel
 
 
 class KVCacheConfig(StrictModel):

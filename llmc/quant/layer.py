@@ -8,7 +8,7 @@ from typing import Protocol
 import torch
 from torch import nn
 
-from llmc.models.families import rope_layer_types, sliding_windows
+from llmc.checkpoints.families import rope_layer_types, sliding_windows
 from llmc.quant.kvcache import visible_keys
 from llmc.quant.qtypes import QuantArgs, QuantizedWeight
 from llmc.quant.ranks import SINGLE, Ranks

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 from torch import nn
 
-from llmc.errors import LlmcError
+from llmc.core.errors import LlmcError
 from llmc.quant.layer import Modifier
 from llmc.quant.qtypes import QuantArgs
 from llmc.quant.targets import select

@@ -5,7 +5,7 @@ import torch
 from pydantic import model_validator
 from torch import nn
 
-from llmc.models.families import Family
+from llmc.checkpoints.families import Family
 from llmc.quant.layer import LayerWork
 from llmc.quant.qtypes import QuantizedWeight, quantize_weight
 from llmc.quant.weight_stage import WeightStage

@@ -8,11 +8,11 @@ import torch
 from pydantic import Field
 from torch import nn
 
-from llmc.models.families import Family
+from llmc.checkpoints.families import Family
+from llmc.core.schema import StrictModel
 from llmc.quant.awq import fold_scales, scalable_pairs
 from llmc.quant.layer import LayerWork
 from llmc.quant.qtypes import QuantizedWeight
-from llmc.schema import StrictModel
 
 MIN_SCALE = 1e-5
 

@@ -4,9 +4,9 @@ from typing import Any
 
 from pydantic import model_validator
 
+from llmc.core.schema import StrictModel
 from llmc.quant.qtypes import QuantArgs
 from llmc.quant.schemes import resolve_activation_args, resolve_weight_args
-from llmc.schema import StrictModel
 
 
 class WeightStage(StrictModel):

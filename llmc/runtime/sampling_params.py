@@ -1,7 +1,20 @@
+"""What a request asks of the engine: how to sample, and what its output is constrained to (compiled into a grammar
+by llmc.runtime.engine.grammar)."""
 from dataclasses import dataclass, field
+from typing import Literal
 
-from llmc.errors import LlmcError
-from llmc.runtime.structured_output import StructuredOutput
+from llmc.core.errors import LlmcError
+
+
+@dataclass(frozen=True, slots=True)
+class StructuredOutput:
+    """kind json_object: any JSON object; json_schema: spec is a JSON schema; structural_tag: spec is an xgrammar
+    structural tag (text with tagged JSON parts, such as tool calls). field names the request field it came from."""
+
+    kind: Literal["json_object", "json_schema", "structural_tag"]
+    spec: str = ""
+    field: str = "response_format"
+
 
 # temperatures below this decode greedily, as in vLLM: dividing logits by a tinier one overflows to inf and NaN
 GREEDY_BELOW_TEMPERATURE = 1e-5

@@ -1,7 +1,7 @@
 from collections import OrderedDict
 from dataclasses import dataclass
 
-from llmc.runtime.cdiv import cdiv
+from llmc.core.integers import cdiv
 from llmc.runtime.engine.sequence import Sequence
 
 

@@ -10,7 +10,7 @@ import time
 import torch
 from torch import nn
 
-from llmc.runtime.inductor_cache import use_llmc_inductor_cache
+from llmc.runtime.layers.inductor_cache import use_llmc_inductor_cache
 
 logger = logging.getLogger(__name__)
 PIECES = ("attention_inputs", "attention_output")

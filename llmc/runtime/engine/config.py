@@ -3,7 +3,7 @@ from pathlib import Path
 
 import torch
 
-from llmc.errors import LlmcError
+from llmc.core.errors import LlmcError
 
 
 @dataclass(slots=True)

@@ -6,9 +6,9 @@ import threading
 
 import torch
 
-from llmc.errors import LlmcError
+from llmc.core.errors import LlmcError
 from llmc.runtime.engine.draft_tree import DraftTree
-from llmc.runtime.structured_output import StructuredOutput
+from llmc.runtime.sampling_params import StructuredOutput
 
 
 def import_xgrammar():

@@ -4,8 +4,8 @@ from typing import Protocol
 
 import torch
 
-from llmc.errors import LlmcError
-from llmc.runtime.cdiv import cdiv
+from llmc.core.errors import LlmcError
+from llmc.core.integers import cdiv
 from llmc.runtime.engine.compiled import compile_decoder_layers
 from llmc.runtime.engine.config import EngineConfig
 from llmc.runtime.engine.cuda_graphs import DecodeGraphs

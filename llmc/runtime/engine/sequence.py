@@ -4,7 +4,7 @@ from enum import Enum, auto
 
 import torch
 
-from llmc.runtime.cdiv import cdiv
+from llmc.core.integers import cdiv
 from llmc.runtime.engine.draft_tree import DraftTree
 from llmc.runtime.layers.sampler import SampledToken
 from llmc.runtime.sampling_params import SamplingParams

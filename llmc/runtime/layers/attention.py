@@ -7,9 +7,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from llmc.core.integers import cdiv
 from llmc.quant.kvcache import softcapped_attention, visible_keys
 from llmc.quant.qtypes import QuantArgs, dequantize_columns, quantize_columns
-from llmc.runtime.cdiv import cdiv
 
 FP8_KV = QuantArgs(num_bits=8, type="float", strategy="channel")
 

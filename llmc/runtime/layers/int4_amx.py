@@ -12,7 +12,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from llmc.runtime.inductor_cache import use_llmc_inductor_cache
+from llmc.runtime.layers.inductor_cache import use_llmc_inductor_cache
 
 logger = logging.getLogger(__name__)
 # inductor's FX graph cache keys a frozen graph without its constants' values: it would hand one Linear's weights to

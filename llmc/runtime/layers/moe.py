@@ -8,8 +8,8 @@ import torch
 from torch import nn
 from transformers.activations import ACT2FN
 
-from llmc.models.families import FAMILIES, MoeLayout
-from llmc.models.moe import top_k_routing
+from llmc.checkpoints.calibration_moe import top_k_routing
+from llmc.checkpoints.families import FAMILIES, MoeLayout
 
 
 class LinearLoader(Protocol):

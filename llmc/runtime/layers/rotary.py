@@ -4,7 +4,7 @@ import torch
 from torch import nn
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
-from llmc.errors import LlmcError
+from llmc.core.errors import LlmcError
 from llmc.runtime.layers import cpu_elementwise
 
 UNSERVED_ROPE_TYPES = ("dynamic",)  # recomputed from the running length: no table serves every step

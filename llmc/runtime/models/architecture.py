@@ -3,8 +3,8 @@
 import math
 from dataclasses import dataclass
 
-from llmc.errors import LlmcError
-from llmc.models.families import FAMILIES, rope_layer_types, sliding_windows
+from llmc.checkpoints.families import FAMILIES, rope_layer_types, sliding_windows
+from llmc.core.errors import LlmcError
 
 # model types the runtime serves: dense Llama-like families, and the mixture-of-experts ones (layers/moe.py)
 DENSE_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "smollm3", "gemma2", "gemma3_text", "phi3")

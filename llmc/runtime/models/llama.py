@@ -7,7 +7,7 @@ import torch.nn.functional as F
 from torch import nn
 from transformers.activations import ACT2FN
 
-from llmc.errors import LlmcError
+from llmc.core.errors import LlmcError
 from llmc.runtime.layers.attention import AttentionMetadata, PagedAttention, ScoreShape
 from llmc.runtime.layers.linear import DenseLinear
 from llmc.runtime.layers.linear_weight import LinearWeight

@@ -6,7 +6,7 @@ from torch import nn
 
 from llmc.artifact.ct_config import kv_cache_args_from_config, schemes_from_config
 from llmc.artifact.reader import layout_of, scheme_of
-from llmc.models.checkpoint import CheckpointReader
+from llmc.checkpoints.checkpoint_reader import CheckpointReader
 from llmc.runtime.layers.linear import Int4CpuLinear, build_linear
 from llmc.runtime.layers.linear_weight import LinearWeight, merge
 

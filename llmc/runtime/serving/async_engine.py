@@ -1,4 +1,4 @@
-"""An LLMEngine behind per-request asyncio output streams. StreamingEngine owns the streams and the checks made
+"""An LLM behind per-request asyncio output streams. StreamingEngine owns the streams and the checks made
 before queueing; AsyncLLMEngine runs the engine on a thread of this process (in-process benchmarks, tests), and
 serving.engine_process runs it in a process of its own."""
 import asyncio
@@ -9,10 +9,11 @@ import uuid
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
-from llmc.errors import LlmcError
-from llmc.runtime.engine_stats import EngineStats
-from llmc.runtime.llm_engine import LLMEngine, RequestOutput, failed_output
-from llmc.runtime.request_checks import RequestChecks
+from llmc.core.errors import LlmcError
+from llmc.runtime.engine.engine_stats import EngineStats
+from llmc.runtime.engine.llm_engine import RequestOutput, failed_output
+from llmc.runtime.engine.request_checks import RequestChecks
+from llmc.runtime.llm import LLM
 from llmc.runtime.sampling_params import SamplingParams
 from llmc.runtime.serving import DEFAULT_MAX_WAITING
 
@@ -39,7 +40,7 @@ class EngineCommand:
     params: SamplingParams | None = None
 
 
-def apply_command(engine: LLMEngine, command: EngineCommand, is_wanted: bool = True) -> RequestOutput | None:
+def apply_command(engine: LLM, command: EngineCommand, is_wanted: bool = True) -> RequestOutput | None:
     """An add whose caller has already gone (is_wanted False) is counted as aborted without being computed. An add
     the engine cannot take returns its request's failed output: the error ends that request alone."""
     try:
@@ -55,7 +56,7 @@ def apply_command(engine: LLMEngine, command: EngineCommand, is_wanted: bool = T
     return None
 
 
-def apply_commands(engine: LLMEngine, commands: list[EngineCommand],
+def apply_commands(engine: LLM, commands: list[EngineCommand],
                    is_wanted: Callable[[str], bool] = lambda request_id: True) -> tuple[list[RequestOutput], bool]:
     """The commands in order, up to a stop: the failed outputs of the adds the engine could not take, and whether a
     stop came (the engine's loop then ends)."""
@@ -162,7 +163,7 @@ class StreamingEngine:
 class AsyncLLMEngine(StreamingEngine):
     """The engine on a thread of this process. Its Python work shares the GIL with the caller's event loop."""
 
-    def __init__(self, engine: LLMEngine, max_waiting: int = DEFAULT_MAX_WAITING):
+    def __init__(self, engine: LLM, max_waiting: int = DEFAULT_MAX_WAITING):
         super().__init__(engine.checks, engine.config.max_num_seqs, max_waiting)
         self.engine = engine
         self._commands: queue.SimpleQueue = queue.SimpleQueue()

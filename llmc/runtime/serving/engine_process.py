@@ -15,11 +15,12 @@ from pathlib import Path
 
 import msgspec
 
-from llmc.errors import LlmcError
+from llmc.core.errors import LlmcError
 from llmc.runtime.engine.config import EngineConfig
-from llmc.runtime.engine_stats import EngineStats
-from llmc.runtime.llm_engine import LLMEngine, RequestOutput
-from llmc.runtime.request_checks import RequestChecks, eos_token_ids
+from llmc.runtime.engine.engine_stats import EngineStats
+from llmc.runtime.engine.llm_engine import RequestOutput
+from llmc.runtime.engine.request_checks import RequestChecks, eos_token_ids
+from llmc.runtime.llm import LLM
 from llmc.runtime.serving import DEFAULT_MAX_WAITING
 from llmc.runtime.serving.async_engine import EngineCommand, StreamingEngine, apply_commands
 from llmc.runtime.serving.limits import HEALTH_STALL_SECONDS
@@ -64,7 +65,7 @@ def run_engine(folder: str, config: EngineConfig, threads: int, commands: Connec
     torch.set_num_threads(threads)
     encode, decode = msgspec.msgpack.Encoder().encode, msgspec.msgpack.Decoder(EngineCommand).decode
     try:
-        engine = LLMEngine(folder, config)
+        engine = LLM(folder, config)
     except LlmcError as error:
         replies.send_bytes(encode(EngineReady(error=str(error))))
         return

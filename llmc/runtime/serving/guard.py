@@ -4,7 +4,7 @@ import hmac
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from llmc.runtime.serving.errors import error_response
+from llmc.runtime.serving.error_responses import error_response
 
 
 class RequestGuard:

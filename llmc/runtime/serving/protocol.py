@@ -4,8 +4,8 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from llmc.errors import LlmcError
-from llmc.runtime.sampling_params import SamplingParams
+from llmc.core.errors import LlmcError
+from llmc.runtime.sampling_params import SamplingParams, StructuredOutput
 from llmc.runtime.serving.limits import (
     INT64_MAX,
     INT64_MIN,
@@ -21,7 +21,6 @@ from llmc.runtime.serving.limits import (
     MAX_TOOLS,
 )
 from llmc.runtime.serving.tool_calls import NamedToolChoice, ToolChoice, ToolDefinition, tool_grammar
-from llmc.runtime.structured_output import StructuredOutput
 
 TokenId = Annotated[int, Field(ge=0, le=MAX_INT32)]
 Count = Annotated[int, Field(ge=0, le=MAX_INT32)]

@@ -8,10 +8,10 @@ from collections.abc import AsyncIterator, Callable
 from contextlib import aclosing
 from dataclasses import replace
 
+from llmc.runtime.engine.llm_engine import RequestOutput
 from llmc.runtime.layers.sampler import SampledToken
-from llmc.runtime.llm_engine import RequestOutput
 from llmc.runtime.serving.async_engine import RequestFailed
-from llmc.runtime.serving.errors import ErrorBody, ErrorDetail
+from llmc.runtime.serving.error_responses import ErrorBody, ErrorDetail
 from llmc.runtime.serving.tool_calls import ToolCallStream, parse_tool_calls
 
 

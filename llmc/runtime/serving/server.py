@@ -16,14 +16,14 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from llmc.errors import LlmcError
-from llmc.runtime.llm_engine import RequestOutput
-from llmc.runtime.request_checks import RequestChecks
+from llmc.core.errors import LlmcError
+from llmc.runtime.engine.llm_engine import RequestOutput
+from llmc.runtime.engine.request_checks import RequestChecks
 from llmc.runtime.serving.async_engine import EngineBusy, EngineGone, RequestFailed, StreamingEngine
-from llmc.runtime.serving.errors import ERROR_RESPONSES, error_response
+from llmc.runtime.serving.error_responses import ERROR_RESPONSES, error_response
 from llmc.runtime.serving.guard import RequestGuard
 from llmc.runtime.serving.limits import MAX_REQUEST_BYTES
-from llmc.runtime.serving.metrics import ServerMetrics
+from llmc.runtime.serving.prometheus import ServerMetrics
 from llmc.runtime.serving.protocol import ChatCompletionRequest, CompletionRequest, SamplingRequest
 from llmc.runtime.serving.response_schema import ChatCompletionResponse, CompletionResponse, generation_responses
 from llmc.runtime.serving.responses import completed, echoed, response_header, sse

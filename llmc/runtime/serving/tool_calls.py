@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from llmc.runtime.structured_output import StructuredOutput
+from llmc.runtime.sampling_params import StructuredOutput
 
 if TYPE_CHECKING:
     from xgrammar.structural_tag import StructuralTag, TagFormat

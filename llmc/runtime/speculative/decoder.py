@@ -6,9 +6,10 @@ from pathlib import Path
 
 import torch
 
-from llmc.errors import LlmcError
+from llmc.core.errors import LlmcError
 from llmc.runtime.engine.config import EngineConfig
 from llmc.runtime.engine.draft_tree import DraftTree
+from llmc.runtime.engine.engine_stats import SpeculativeStats
 from llmc.runtime.engine.grammar import masked_tree_logits
 from llmc.runtime.engine.sequence import Sequence
 from llmc.runtime.layers.sampler import SampledToken, greedy_tokens, sampled_token, sampling_probs
@@ -16,7 +17,6 @@ from llmc.runtime.models.llama import aux_layer_ids
 from llmc.runtime.speculative.acceptance import greedy_accept, rejection_sample
 from llmc.runtime.speculative.governor import DraftGovernor
 from llmc.runtime.speculative.proposers import Observed, build_proposer
-from llmc.runtime.speculative.stats import SpeculativeStats
 from llmc.runtime.speculative.store import load_draft
 
 

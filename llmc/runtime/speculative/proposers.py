@@ -7,8 +7,8 @@ from weakref import WeakKeyDictionary
 import torch
 from torch import nn
 
-from llmc.errors import LlmcError
-from llmc.runtime.cdiv import cdiv
+from llmc.core.errors import LlmcError
+from llmc.core.integers import cdiv
 from llmc.runtime.engine.config import EngineConfig
 from llmc.runtime.engine.draft_tree import ROOT, DraftTree
 from llmc.runtime.engine.sequence import Sequence

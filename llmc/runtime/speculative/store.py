@@ -9,7 +9,7 @@ from torch import nn
 from transformers import LlamaConfig
 
 from llmc.artifact.reader import DRAFT_DIR
-from llmc.errors import LlmcError
+from llmc.core.errors import LlmcError
 from llmc.runtime.speculative.eagle import EagleDraft, EagleShape
 from llmc.runtime.speculative.eagle3 import Eagle3Draft
 from llmc.runtime.speculative.medusa import MedusaHeads

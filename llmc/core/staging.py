@@ -7,7 +7,7 @@ import shutil
 import sys
 from pathlib import Path
 
-from llmc.errors import LlmcError
+from llmc.core.errors import LlmcError
 
 # what rename(2) says when its target is a folder that is not empty, or not a folder
 TARGET_TAKEN = (errno.EEXIST, errno.ENOTEMPTY, errno.ENOTDIR, errno.EISDIR)

@@ -10,7 +10,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from llmc.models.families import Family, MoeLayout
+from llmc.checkpoints.families import Family, MoeLayout
 
 
 def top_k_routing(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:

@@ -6,9 +6,9 @@ from pathlib import Path
 from safetensors.torch import load_file, save_file
 from transformers import LlamaConfig
 
-from llmc.errors import LlmcError
+from llmc.core.errors import LlmcError
+from llmc.core.staging import move_into_place, unique_sibling
 from llmc.runtime.speculative.store import WEIGHTS, read_draft_config
-from llmc.staging import move_into_place, unique_sibling
 
 VLLM_DIR = "vllm"
 VLLM_METHODS = {"eagle3": "eagle3"}  # llmc's draft method -> vLLM's speculative method

@@ -4,7 +4,7 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from llmc.errors import LlmcError
+from llmc.core.errors import LlmcError
 from llmc.runtime.engine.grammar import GrammarCompiler
 from llmc.runtime.sampling_params import SamplingParams
 

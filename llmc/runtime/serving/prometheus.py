@@ -4,8 +4,7 @@ from collections.abc import Callable
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-from llmc.runtime.engine_stats import EngineStats
-from llmc.runtime.speculative.stats import SpeculativeStats
+from llmc.runtime.engine.engine_stats import EngineStats, SpeculativeStats
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
 

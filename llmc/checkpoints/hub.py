@@ -5,7 +5,7 @@ import os
 import urllib.error
 import urllib.request
 
-from llmc.errors import LlmcError
+from llmc.core.errors import LlmcError
 
 PROBE_TIMEOUT_S = 3.0
 

@@ -2,7 +2,7 @@
 import json
 from pathlib import Path
 
-from llmc.errors import LlmcError
+from llmc.core.errors import LlmcError
 
 
 def read_prompt_texts(path: Path) -> list[str]:

@@ -2,7 +2,7 @@
 reuses it."""
 import os
 
-from llmc.models.spec import llmc_home
+from llmc.checkpoints.spec import llmc_home
 
 
 def use_llmc_inductor_cache() -> None:

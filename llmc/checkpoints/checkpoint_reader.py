@@ -5,7 +5,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from llmc.errors import LlmcError
+from llmc.core.errors import LlmcError
 
 
 class CheckpointReader:

@@ -1,3 +1,5 @@
+"""The engine's counters, for /metrics: read in process, or sent by an engine process with each step; the
+speculative decoder's among them."""
 from dataclasses import dataclass, field
 
 
@@ -39,3 +41,16 @@ class SpeculativeStats:
     @property
     def acceptance_per_position(self) -> list[float]:
         return [accepted / self.num_drafts if self.num_drafts else 0.0 for accepted in self.accepted_per_position]
+
+
+@dataclass(slots=True)
+class EngineStats:
+    num_running: int = 0
+    num_waiting: int = 0
+    num_used_blocks: int = 0
+    num_blocks: int = 1
+    num_prefix_query_tokens: int = 0
+    num_prefix_hit_tokens: int = 0
+    num_preemptions: int = 0
+    num_finished: dict[str, int] | None = None  # by reason: stop, length, abort
+    speculative: SpeculativeStats | None = None  # None: the engine decodes without drafts

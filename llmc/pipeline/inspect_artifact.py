@@ -6,7 +6,7 @@ from rich.console import Console
 from rich.table import Table
 
 from llmc.artifact.writer import MANIFEST
-from llmc.errors import LlmcError
+from llmc.core.errors import LlmcError
 from llmc.evals.report import SUMMARY_COLUMNS, summary_rows
 
 

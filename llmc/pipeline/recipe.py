@@ -8,18 +8,18 @@ from pydantic import Field, PrivateAttr, field_validator, model_validator
 
 from llmc.artifact.export_config import ExportConfig
 from llmc.calib.data import CalibrationConfig
-from llmc.device import DEVICE_PATTERN
+from llmc.core.device import DEVICE_PATTERN
+from llmc.core.errors import LlmcError
+from llmc.core.overrides import apply_overrides
+from llmc.core.schema import StrictModel
+from llmc.core.validation import located, validated_document
 from llmc.draft.config import DraftConfig
-from llmc.errors import LlmcError
 from llmc.evals.config import EvalConfig
-from llmc.overrides import apply_overrides
 from llmc.quant.awq import AWQStage
 from llmc.quant.gptq import GPTQStage
 from llmc.quant.kvcache_config import KVCacheConfig
 from llmc.quant.rtn import RTNStage
 from llmc.quant.smoothquant import SmoothQuantStage
-from llmc.schema import StrictModel
-from llmc.validation import located, validated_document
 
 StageConfig = Annotated[RTNStage | GPTQStage | AWQStage | SmoothQuantStage, Field(discriminator="type")]
 WEIGHT_STAGES = (RTNStage, GPTQStage)

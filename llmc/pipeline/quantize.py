@@ -20,19 +20,19 @@ from llmc.artifact.writer import COMPLETE, DRAFT, EVALS, RECIPE, WRITTEN, ShardW
 from llmc.calib.data import load_calibration
 from llmc.calib.driver import build_skeleton, decoder_layers, decoder_linears, quantize_layerwise
 from llmc.calib.memory import estimate_memory, require_fits
-from llmc.device import describe_device, peak_memory, rank_device, resolve_device
-from llmc.errors import LlmcError
+from llmc.checkpoints.checkpoint_reader import CheckpointReader
+from llmc.checkpoints.families import family_for
+from llmc.checkpoints.spec import resolve_model
+from llmc.core.device import describe_device, peak_memory, rank_device, resolve_device
+from llmc.core.errors import LlmcError
 from llmc.evals.gate import GateFailed, require_gate_passed
 from llmc.evals.inputs import EvalInputs
 from llmc.evals.report import summary, write_report
 from llmc.evals.suite import EvalTarget, evaluate_side_by_side
-from llmc.inputs import resolve_eval_and_draft_inputs, resolved
-from llmc.models.checkpoint import CheckpointReader
-from llmc.models.families import family_for
-from llmc.models.spec import resolve_model
+from llmc.pipeline.preflight import resolve_eval_and_draft_inputs, resolved
+from llmc.pipeline.recipe import Recipe
 from llmc.quant.plan import build_plan
 from llmc.quant.ranks import ranks_from_environment
-from llmc.recipe import Recipe
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 LIBRARIES = ("torch", "transformers", "compressed-tensors", "safetensors", "datasets")

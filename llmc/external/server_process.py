@@ -11,7 +11,7 @@ from pathlib import Path
 
 import httpx
 
-from llmc.errors import LlmcError
+from llmc.core.errors import LlmcError
 
 
 def free_port() -> int:

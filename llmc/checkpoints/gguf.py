@@ -4,7 +4,7 @@ from pathlib import Path
 import torch
 from rich.console import Console
 
-from llmc.staging import OutputTaken, move_into_place, unique_sibling
+from llmc.core.staging import OutputTaken, move_into_place, unique_sibling
 
 
 def convert_gguf(gguf_path: Path, target: Path) -> None:

@@ -7,7 +7,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import NoReturn
 
-from llmc.errors import LlmcError
+from llmc.core.errors import LlmcError
 
 REPO_VENV_VLLM = Path(__file__).resolve().parents[1] / ".vllm-venv" / "bin" / "vllm"
 INSTALL_HINT = "pip install vllm, or benchmarks/vllm_venv.sh for vLLM's CPU build in .vllm-venv"
@@ -41,10 +41,10 @@ def find_vllm(explicit: str | None) -> str:
 
 def vllm_model(artifact: str) -> str:
     """What vLLM loads for llmc's model spec: folders and hub ids as given; an alias or .gguf as llmc's converted folder."""
-    from llmc.models.spec import EMBEDDED_MODELS
+    from llmc.checkpoints.spec import EMBEDDED_MODELS
 
     if artifact in EMBEDDED_MODELS or artifact.endswith(".gguf"):
-        from llmc.models.spec import resolve_model
+        from llmc.checkpoints.spec import resolve_model
 
         return str(resolve_model(artifact))
     return artifact

@@ -1,7 +1,7 @@
 """Per architecture: where the decoder layers and the embeddings live, and which Linears a layer holds."""
 from dataclasses import dataclass, replace
 
-from llmc.errors import LlmcError
+from llmc.core.errors import LlmcError
 
 
 @dataclass(frozen=True)

@@ -7,8 +7,8 @@ import sys
 
 import torch
 
-from llmc.errors import LlmcError
-from llmc.recipe import Recipe
+from llmc.core.errors import LlmcError
+from llmc.pipeline.recipe import Recipe
 
 
 def check_ranks(recipe: Recipe, nproc: int) -> None:

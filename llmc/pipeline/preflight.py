@@ -4,12 +4,12 @@ from collections.abc import Callable
 from pathlib import Path
 
 from llmc.artifact.writer import settle_kept_staging
-from llmc.device import resolve_device
-from llmc.errors import LlmcError
+from llmc.core.device import resolve_device
+from llmc.core.errors import LlmcError
+from llmc.core.prompts import check_prompt_files
+from llmc.core.staging import check_output
 from llmc.evals.inputs import EvalInputs, check_tasks, load_business_items, load_perplexity_text
-from llmc.prompts import check_prompt_files
-from llmc.recipe import Recipe
-from llmc.staging import check_output
+from llmc.pipeline.recipe import Recipe
 
 
 def resolved(recipe: Recipe, location: tuple, load: Callable):

@@ -4,7 +4,7 @@ from typing import Any
 
 import yaml
 
-from llmc.errors import LlmcError
+from llmc.core.errors import LlmcError
 
 
 def apply_overrides(data: dict, assignments: list[str]) -> set[tuple]:

@@ -5,7 +5,7 @@ from pathlib import Path
 import yaml
 from pydantic import BaseModel, ValidationError
 
-from llmc.errors import LlmcError
+from llmc.core.errors import LlmcError
 
 
 def validated(model: type[BaseModel], data: dict, source: str, prefix: str = "") -> BaseModel:

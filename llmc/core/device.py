@@ -6,7 +6,7 @@ import resource
 
 import torch
 
-from llmc.errors import LlmcError
+from llmc.core.errors import LlmcError
 
 DEVICE_PATTERN = re.compile(r"auto|cpu|cuda(:\d+)?")
 
