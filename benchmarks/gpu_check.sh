@@ -2,7 +2,7 @@
 # llmc on one GPU with nothing from the internet: the kernel tests natively on the GPU, CUDA graphs against eager
 # decode, batch-1 decode tok/s with memory-bandwidth utilisation and throughput at concurrency 64 per weight format
 # (fp16, W4A16, W8A8, FP8) on random weights in Llama-3-8B's and SmolLM2-135M's shapes, the stages on CUDA against
-# the CPU (tests/test_device.py), and GPTQ W4A16 at Llama-3-8B's layer shapes on 128 x 2048 calibration tokens
+# the CPU (tests/unit/calib/test_device.py), and GPTQ W4A16 at Llama-3-8B's layer shapes on 128 x 2048 calibration tokens
 # (benchmarks/scale.py: s/layer, 32-layer time against llm-compressor's, peak device memory), and an EAGLE-3 draft's
 # step costs at batch 1 in Llama-3-8B's shape combined with measured acceptances (benchmarks/speculative_gpu.py).
 # Needs torch, triton and transformers; each section runs under its own time limit and a failing one stops nothing.
@@ -21,18 +21,18 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader ||
 $PYTHON -c "import torch, triton; print('torch', torch.__version__, '| cuda', torch.version.cuda, '| triton', triton.__version__, '|', torch.cuda.get_device_name(), 'sm_%d%d' % torch.cuda.get_device_capability())" || status=1
 
 if want kernels; then
-    echo "== kernel tests on the GPU (tests/kernel_checks.py)"
-    timeout 130 $PYTHON tests/kernel_checks.py | grep -v "^PASS" || status=1
+    echo "== kernel tests on the GPU (tests/unit/runtime/kernel_checks.py)"
+    timeout 130 $PYTHON tests/unit/runtime/kernel_checks.py | grep -v "^PASS" || status=1
 fi
 
 if $PYTHON -c "import pytest" 2>/dev/null; then
     if want graphs; then
-        echo "== CUDA graphs against eager decode (tests/test_cuda_graphs.py)"
-        timeout 50 $PYTHON -m pytest -q -p no:cacheprovider tests/test_cuda_graphs.py || status=1
+        echo "== CUDA graphs against eager decode (tests/unit/runtime/test_cuda_graphs.py)"
+        timeout 50 $PYTHON -m pytest -q -p no:cacheprovider tests/unit/runtime/test_cuda_graphs.py || status=1
     fi
     if want device; then
-        echo "== every stage and the draft on CUDA against the CPU (tests/test_device.py)"
-        timeout 120 $PYTHON -m pytest -q -p no:cacheprovider tests/test_device.py || status=1
+        echo "== every stage and the draft on CUDA against the CPU (tests/unit/calib/test_device.py)"
+        timeout 120 $PYTHON -m pytest -q -p no:cacheprovider tests/unit/calib/test_device.py || status=1
     fi
 fi
 
