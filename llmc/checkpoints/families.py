@@ -1,4 +1,6 @@
-"""Per architecture: where the decoder layers and the embeddings live, and which Linears a layer holds."""
+"""One record per model family, read by calibration, export and the runtime alike: where the decoder layers and the
+embeddings live, how a layer's Linears are stored, which scales fold into which, and what the runtime's one model
+definition turns on for the family (runtime/models/architecture.py). A model type llmc serves is a key of FAMILIES."""
 from dataclasses import dataclass, replace
 
 from llmc.core.errors import LlmcError
@@ -71,15 +73,10 @@ class Family:
     embed_tokens: str = "model.embed_tokens"
     final_norm: str = "model.norm"
     lm_head: str = "lm_head"
-    linears: tuple[str, ...] = (
-        "self_attn.q_proj",
-        "self_attn.k_proj",
-        "self_attn.v_proj",
-        "self_attn.o_proj",
-        "mlp.gate_proj",
-        "mlp.up_proj",
-        "mlp.down_proj",
-    )
+    # under a decoder layer, the stored Linears that make q, k and v, and the MLP's gate and up, in that order: the
+    # runtime stacks each group into one matmul
+    qkv: tuple[str, ...] = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")
+    gate_up: tuple[str, ...] = ("mlp.gate_proj", "mlp.up_proj")
     scaling_pairs: tuple[ScalingPair, ...] = (
         ScalingPair("input_layernorm", ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"), "self_attn", True),
         ScalingPair("self_attn.v_proj", ("self_attn.o_proj",), "self_attn.o_proj"),  # only when v out == o in
@@ -90,6 +87,12 @@ class Family:
     no_clip: tuple[str, ...] = ("self_attn.q_proj", "self_attn.k_proj")
     norm_offset: float = 0.0  # norms scale by (offset + weight): Gemma's 1
     embedding_scale: bool = False  # the embeddings multiplied by sqrt(hidden_size) (Gemma)
+    # post_attention_layernorm norms the attention's output, and pre_/post_feedforward_layernorm the MLP's input and
+    # output (Gemma)
+    sandwich_norms: bool = False
+    # the config attribute that stands for head_dim in the attention scale head_dim ** -0.5 where the config sets it
+    # (Gemma's query_pre_attn_scalar)
+    attention_scale_key: str | None = None
     moe: MoeLayout | None = None  # the sparse MoE block of a mixture-of-experts family
     full_precision: tuple[str, ...] = ()  # Linears no stage quantizes, whatever the recipe targets
 
@@ -105,10 +108,13 @@ GEMMA = Family(
     ),
     norm_offset=1.0,
     embedding_scale=True,
+    sandwich_norms=True,
+    attention_scale_key="query_pre_attn_scalar",
 )
 # Phi-3: q/k/v and gate/up are each one stored Linear, so v -> o and up -> down cannot be scaled
 PHI3 = Family(
-    linears=("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj"),
+    qkv=("self_attn.qkv_proj",),
+    gate_up=("mlp.gate_up_proj",),
     scaling_pairs=(
         ScalingPair("input_layernorm", ("self_attn.qkv_proj",), "self_attn", True),
         ScalingPair("post_attention_layernorm", ("mlp.gate_up_proj",), "mlp"),
@@ -129,6 +135,8 @@ FAMILIES = {
 
 
 def family_for(config) -> Family:
+    """The record of the config's model type, with a MoE family's per-expert scaling pairs; LlmcError for a type llmc
+    does not know, before a weight is read."""
     if config.model_type not in FAMILIES:
         raise LlmcError(f"model type {config.model_type!r} is not supported; supported: {', '.join(FAMILIES)}")
     family = FAMILIES[config.model_type]

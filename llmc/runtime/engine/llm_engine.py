@@ -9,7 +9,8 @@ from llmc.core.errors import LlmcError
 from llmc.runtime.engine.block_manager import BlockManager
 from llmc.runtime.engine.config import EngineConfig
 from llmc.runtime.engine.engine_stats import EngineStats
-from llmc.runtime.engine.model_runner import ModelRunner, Speculator, int4_dense_copy_rows
+from llmc.runtime.engine.kernel_policy import int4_dense_copy_rows
+from llmc.runtime.engine.model_runner import ModelRunner, Speculator
 from llmc.runtime.engine.request_checks import RequestChecks, eos_token_ids
 from llmc.runtime.engine.scheduler import Scheduler
 from llmc.runtime.engine.sequence import Sequence

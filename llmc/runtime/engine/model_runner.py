@@ -10,15 +10,11 @@ from llmc.runtime.engine.compiled import compile_decoder_layers
 from llmc.runtime.engine.config import EngineConfig
 from llmc.runtime.engine.cuda_graphs import DecodeGraphs
 from llmc.runtime.engine.grammar import masked_logits
+from llmc.runtime.engine.kernel_policy import amx_int4, attention_backend, build_cpu_kernels, uses_amx
 from llmc.runtime.engine.sequence import Sequence
-from llmc.runtime.layers import cpu_attention, cpu_elementwise, cpu_int8_gemm, cpu_quantized_mm
-from llmc.runtime.layers.attention import AttentionMetadata, DecodeRows, decode_buckets, padded_length
-from llmc.runtime.layers.cpp_kernel import CppKernel, build_concurrently
-from llmc.runtime.layers.cpu_attention import attend_rows_cpu, compiled_kernel, decode_attention_cpu
-from llmc.runtime.layers.int4_amx import amx_available
-from llmc.runtime.layers.linear import Int4CpuLinear
+from llmc.runtime.layers.attention import AttentionMetadata, DecodeRows, padded_length
 from llmc.runtime.layers.sampler import SampledToken, sample, token_logprobs
-from llmc.runtime.models.architecture import architecture_of
+from llmc.runtime.models.architecture import Architecture, architecture_of
 from llmc.runtime.models.llama import LlamaForCausalLM, aux_layer_ids
 from llmc.runtime.models.loader import WeightLoader
 
@@ -32,39 +28,32 @@ class Speculator(Protocol):
     def step(self, seqs: list[Sequence], hidden: torch.Tensor, started: float) -> dict[Sequence, list[SampledToken]]: ...
 
 
-def amx_int4(model: torch.nn.Module, max_eager_rows: int) -> float | None:
-    """The model's int4 layers compiled onto AMX (Int4CpuLinear.use_amx); the seconds that took, None without any."""
-    linears = [module for module in model.modules() if isinstance(module, Int4CpuLinear)]
-    if not linears:
-        return None
-    started = time.perf_counter()
-    logger.info("compiling %d int4 matmuls for AMX (cached on disk for later starts)", len(linears))
-    served = sum(linear.use_amx(max_eager_rows) for linear in linears)
-    seconds = time.perf_counter() - started
-    logger.info("%d of %d int4 matmuls on AMX, compiled in %.1f s", served, len(linears), seconds)
-    return seconds
+def aux_layers_of(hf_config, config: EngineConfig) -> tuple[int, ...]:
+    """The layers whose entering residual stream is kept; LlmcError where the options cannot be served together."""
+    if config.keep_hidden_states and (config.enable_prefix_caching or config.speculative is not None):
+        raise LlmcError("keeping hidden states needs every token computed once, in order: no prefix caching, no drafts")
+    if config.aux_hidden_layers and not config.keep_hidden_states:
+        raise LlmcError("aux_hidden_layers are kept with keep_hidden_states only")
+    return aux_layer_ids(config.aux_hidden_layers, hf_config.num_hidden_layers, "aux_hidden_layers")
 
 
-def uses_amx(config: EngineConfig) -> bool:
-    return config.amx_int4 and not config.compile and amx_available()
+def kv_capacity(hf_config, head_dim: int, kv_dtype: torch.dtype, config: EngineConfig) -> tuple[int, int]:
+    """(KV blocks, max model length): the blocks kv_cache_gib holds, or num_kv_blocks, at most enough for max_num_seqs
+    sequences of max_position_embeddings; the length capped so that one sequence always fits, or preemption could
+    not help."""
+    num_layers, num_kv_heads = hf_config.num_hidden_layers, hf_config.num_key_value_heads
+    block_bytes = 2 * num_layers * config.block_size * num_kv_heads * head_dim * kv_dtype.itemsize
+    blocks_per_seq = cdiv(hf_config.max_position_embeddings, config.block_size)
+    num_blocks = config.num_kv_blocks or min(int(config.kv_cache_gib * 2**30 // block_bytes), config.max_num_seqs * blocks_per_seq)
+    max_positions = hf_config.max_position_embeddings
+    return num_blocks, min(config.max_model_len or max_positions, max_positions, num_blocks * config.block_size)
 
 
-def int4_dense_copy_rows(config: EngineConfig) -> int | None:
-    """Int4 layers keep a dense copy for steps of more than this many rows (WeightLoader's dense_copy_above); None
-    where AMX takes those steps, or the copy is off."""
-    return config.max_eager_int4_rows if config.int4_dense_copy and not uses_amx(config) else None
-
-
-def cpu_kernels(weights: WeightLoader, config: EngineConfig) -> list[CppKernel]:
-    """The C++ extensions serving this checkpoint on the CPU: norms and rotary, decode attention unless turned off,
-    input quantization where Linears quantize their inputs, the packed int8 GEMM where those are int8."""
-    kernels = [cpu_elementwise.KERNEL] + ([cpu_attention.KERNEL] if config.cpu_decode_kernel else [])
-    quantized_inputs = [weight_args for _, weight_args, input_args in weights.schemes if input_args is not None]
-    if quantized_inputs:
-        kernels.append(cpu_quantized_mm.KERNEL)
-    if any(weight_args.type == "int" for weight_args in quantized_inputs):
-        kernels.append(cpu_int8_gemm.KERNEL)
-    return kernels
+def uses_graphs(arch: Architecture, config: EngineConfig) -> bool:
+    """Whether decode steps replay CUDA graphs: not for windows and soft caps, which decode on the torch reference
+    whose buckets are worked out on the host, nor where a step's outputs are more than its final states."""
+    return (DecodeGraphs.supported(config.device) and not config.enforce_eager and config.speculative is None
+            and arch.plain_attention and not config.aux_hidden_layers)
 
 
 class ModelRunner:
@@ -72,58 +61,25 @@ class ModelRunner:
     decode-only steps replay CUDA graphs captured per batch size."""
 
     def __init__(self, hf_config, weights: WeightLoader, config: EngineConfig):
-        arch = architecture_of(hf_config)  # refuses a family the runtime does not serve
-        if config.keep_hidden_states and (config.enable_prefix_caching or config.speculative is not None):
-            raise LlmcError("keeping hidden states needs every token computed once, in order: no prefix caching, no drafts")
-        if config.aux_hidden_layers and not config.keep_hidden_states:
-            raise LlmcError("aux_hidden_layers are kept with keep_hidden_states only")
-        aux_layers = aux_layer_ids(config.aux_hidden_layers, hf_config.num_hidden_layers, "aux_hidden_layers")
-        if config.device == "cpu":
-            build_concurrently(cpu_kernels(weights, config))  # before the layers ask for them one by one
-        self.hf_config = hf_config
-        self.keep_hidden_states = config.keep_hidden_states
-        self.block_size = config.block_size
-        self.device = config.device
-        num_layers, num_kv_heads, head_dim = hf_config.num_hidden_layers, hf_config.num_key_value_heads, arch.head_dim
-        kv_dtype = weights.kv_cache_dtype
-        block_bytes = 2 * num_layers * config.block_size * num_kv_heads * head_dim * kv_dtype.itemsize
-        blocks_per_seq = cdiv(hf_config.max_position_embeddings, config.block_size)
-        self.num_blocks = config.num_kv_blocks or min(int(config.kv_cache_gib * 2**30 // block_bytes), config.max_num_seqs * blocks_per_seq)
-        self.max_model_len = min(
-            config.max_model_len or hf_config.max_position_embeddings,
-            hf_config.max_position_embeddings,
-            self.num_blocks * config.block_size,  # one sequence must always fit, or preemption could not help
+        arch = architecture_of(hf_config)  # refuses a family llmc does not know
+        aux_layers = aux_layers_of(hf_config, config)
+        build_cpu_kernels(weights, config)
+        self.hf_config, self.keep_hidden_states = hf_config, config.keep_hidden_states
+        self.block_size, self.device = config.block_size, config.device
+        self.num_blocks, self.max_model_len = kv_capacity(hf_config, arch.head_dim, weights.kv_cache_dtype, config)
+        use_graphs = uses_graphs(arch, config)
+        # with graphs, one block past those the block manager hands out takes the K/V of padding rows
+        self.kv_cache = torch.zeros(
+            2, hf_config.num_hidden_layers, self.num_blocks + use_graphs, config.block_size, hf_config.num_key_value_heads,
+            arch.head_dim, dtype=weights.kv_cache_dtype, device=config.device,
         )
-        self.model = LlamaForCausalLM(hf_config, weights, self.max_model_len)
+        self.attention = attention_backend(arch, weights.kv_cache_dtype, config)
+        self.model = LlamaForCausalLM(hf_config, weights, self.max_model_len, self.attention, self.kv_cache)
         self.model.aux_layer_ids = aux_layers
         self.amx_s = amx_int4(self.model, config.max_eager_int4_rows) if uses_amx(config) else None
         self.compile_s = None
         if config.compile:
             self.compile_s = compile_decoder_layers(self.model.layers, hf_config.hidden_size, config.dtype, config.device)
-        # windows and soft caps decode on the torch reference, whose buckets are worked out on the host: no graphs
-        plain_attention = not arch.any_window and arch.attention_softcap is None
-        use_graphs = (DecodeGraphs.supported(config.device) and not config.enforce_eager and config.speculative is None
-                      and plain_attention and not config.aux_hidden_layers)  # a graph's outputs are its final states only
-        # with graphs, one block past those the block manager hands out takes the K/V of padding rows
-        self.kv_cache = torch.zeros(
-            2, num_layers, self.num_blocks + use_graphs, config.block_size, num_kv_heads, head_dim, dtype=kv_dtype,
-            device=config.device,
-        )
-        for index, attention in enumerate(self.model.attention_layers()):
-            attention.k_cache, attention.v_cache = self.kv_cache[0, index], self.kv_cache[1, index]
-        # CUDA decodes on a Triton kernel that reads the block tables itself; elsewhere the torch reference's buckets
-        # of decode rows are worked out once a step (_prepare) instead of in every layer
-        self.triton_decode = config.device.startswith("cuda") and plain_attention
-        if self.triton_decode:
-            from llmc.runtime.layers.triton_attention import decode_attention_triton
-
-            for attention in self.model.attention_layers():
-                attention.decode_attention = decode_attention_triton
-        # on the CPU, decode rows read the cache in one C++ kernel (layers/cpu_attention.py) where it builds
-        self.cpu_decode = config.cpu_decode_kernel and config.device == "cpu" and kv_dtype == config.dtype and compiled_kernel() is not None
-        if self.cpu_decode:
-            for attention in self.model.attention_layers():
-                attention.decode_attention, attention.attend_rows = decode_attention_cpu, attend_rows_cpu
         self.speculator: Speculator | None = None  # LLMEngine attaches one when the config names a draft
         self.graphs = None
         if use_graphs:
@@ -164,8 +120,9 @@ class ModelRunner:
         )
         if any(len(seq.draft) for seq in seqs):
             metadata.decode_rows = self._decode_rows(list(dict.fromkeys(group_seqs[:num_decodes])))
-        elif num_decodes and not (self.triton_decode or self.cpu_decode):
-            metadata.decode_rows = decode_buckets(metadata.block_tables[:num_decodes], metadata.context_lens[:num_decodes], self.block_size)
+        elif num_decodes:
+            metadata.decode_rows = self.attention.step_decode_rows(metadata.block_tables[:num_decodes],
+                                                                   metadata.context_lens[:num_decodes], self.block_size)
         return tensor(input_ids), tensor(positions), metadata
 
     def _decode_rows(self, seqs: list[Sequence]) -> list[DecodeRows]:

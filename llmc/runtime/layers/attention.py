@@ -1,7 +1,10 @@
 """Paged attention: K/V live in fixed-size blocks and every sequence reads them through its block table. With an
 FP8 KV cache (an artifact's kv_cache_scheme), K and V are stored as float8 E4M3 divided by their calibrated
-per-KV-head scale and multiplied back when read."""
+per-KV-head scale and multiplied back when read. Decode rows are attended by the AttentionBackend the model is built
+with (the torch reference here, cpu_attention.py's C++ kernel, triton_attention.py's Triton kernel); prefill chunks
+by SDPA."""
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
@@ -176,42 +179,89 @@ def prefill_attention_reference(
     return out[0].transpose(0, 1)
 
 
+class AttentionBackend(Protocol):
+    """How decode rows read the paged cache; every backend computes a row's result from that row alone."""
+
+    def decode(
+        self, query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+        context_lens: torch.Tensor, scale: float, k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
+        shape: ScoreShape = PLAIN,
+    ) -> torch.Tensor:
+        """One query per sequence, over its keys by its block table (decode_attention_reference's contract)."""
+        ...
+
+    def attend_rows(
+        self, query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, buckets: list[DecodeRows], scale: float,
+        k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None, shape: ScoreShape = PLAIN,
+    ) -> torch.Tensor:
+        """Rows over their own key slots (draft trees), in the arithmetic of decode: a draft row gets decoding's bits."""
+        ...
+
+    def step_decode_rows(self, block_tables: torch.Tensor, context_lens: torch.Tensor, block_size: int) -> list[DecodeRows] | None:
+        """A step's plain decode rows prepared once for every layer (AttentionMetadata.decode_rows, read by attend_rows);
+        None: each layer calls decode."""
+        ...
+
+
+class ReferenceAttention:
+    """The torch reference: decode rows bucketed by padded length, worked out once a step rather than in every layer."""
+
+    def decode(
+        self, query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+        context_lens: torch.Tensor, scale: float, k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
+        shape: ScoreShape = PLAIN,
+    ) -> torch.Tensor:
+        return decode_attention_reference(query, k_cache, v_cache, block_tables, context_lens, scale, k_scale, v_scale, shape)
+
+    def attend_rows(
+        self, query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, buckets: list[DecodeRows], scale: float,
+        k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None, shape: ScoreShape = PLAIN,
+    ) -> torch.Tensor:
+        return attend_rows(query, k_cache, v_cache, buckets, scale, k_scale, v_scale, shape)
+
+    def step_decode_rows(self, block_tables: torch.Tensor, context_lens: torch.Tensor, block_size: int) -> list[DecodeRows] | None:
+        return decode_buckets(block_tables, context_lens, block_size)
+
+
+@dataclass(frozen=True, slots=True)
+class LayerKVCache:
+    """One layer's part of the paged KV cache, keys and values [num_blocks, block_size, kv_heads, head_dim] each, and
+    for an FP8 cache the per-KV-head float32 scales its entries are stored divided by."""
+
+    keys: torch.Tensor
+    values: torch.Tensor
+    k_scale: torch.Tensor | None = None
+    v_scale: torch.Tensor | None = None
+
+
 class PagedAttention(nn.Module):
-    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float | None = None, shape: ScoreShape = PLAIN):
+    def __init__(self, scale: float, shape: ScoreShape, backend: AttentionBackend, cache: LayerKVCache):
         super().__init__()
-        self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
-        self.scale = head_dim**-0.5 if scale is None else scale
-        self.shape = shape
-        self.k_cache = self.v_cache = torch.empty(0)  # bound by the model runner
-        self.k_scale: torch.Tensor | None = None  # [kv_heads] float32 when the cache is FP8
-        self.v_scale: torch.Tensor | None = None
-        self.decode_attention = decode_attention_reference  # one query per sequence, by block tables
-        self.attend_rows = attend_rows  # rows over their own key slots (draft trees), the same arithmetic as decoding
+        self.scale, self.shape, self.backend, self.cache = scale, shape, backend, cache
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, metadata: AttentionMetadata) -> torch.Tensor:
-        store_kv(self.k_cache, metadata.slot_mapping, k, self.k_scale)
-        store_kv(self.v_cache, metadata.slot_mapping, v, self.v_scale)
+        keys, values, k_scale, v_scale = self.cache.keys, self.cache.values, self.cache.k_scale, self.cache.v_scale
+        store_kv(keys, metadata.slot_mapping, k, k_scale)
+        store_kv(values, metadata.slot_mapping, v, v_scale)
         num_decodes = metadata.num_decodes
         outputs = []
         if metadata.decode_rows is not None:
-            outputs.append(self.attend_rows(
-                q[:num_decodes], self.k_cache, self.v_cache, metadata.decode_rows, self.scale, self.k_scale, self.v_scale,
-                self.shape,
+            outputs.append(self.backend.attend_rows(
+                q[:num_decodes], keys, values, metadata.decode_rows, self.scale, k_scale, v_scale, self.shape,
             ))
         elif num_decodes:
-            outputs.append(self.decode_attention(
-                q[:num_decodes], self.k_cache, self.v_cache, metadata.block_tables[:num_decodes],
-                metadata.context_lens[:num_decodes], self.scale, self.k_scale, self.v_scale, self.shape,
+            outputs.append(self.backend.decode(
+                q[:num_decodes], keys, values, metadata.block_tables[:num_decodes], metadata.context_lens[:num_decodes],
+                self.scale, k_scale, v_scale, self.shape,
             ))
         start = num_decodes
         for index in range(num_decodes, len(metadata.query_lens)):
             end = start + metadata.query_lens[index]
             context_len = metadata.seq_lens[index]
-            num_blocks = cdiv(context_len, self.k_cache.shape[1])
+            num_blocks = cdiv(context_len, keys.shape[1])
             block_table = metadata.block_tables[index, :num_blocks]
             outputs.append(prefill_attention_reference(
-                q[start:end], self.k_cache, self.v_cache, block_table, context_len, self.scale, self.k_scale, self.v_scale,
-                self.shape,
+                q[start:end], keys, values, block_table, context_len, self.scale, k_scale, v_scale, self.shape,
             ))
             start = end
         return torch.cat(outputs) if len(outputs) > 1 else outputs[0]

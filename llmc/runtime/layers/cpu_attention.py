@@ -235,3 +235,24 @@ def attend_rows_cpu(
         out[bucket.rows] = compiled_kernel().paged_decode(query[bucket.rows].contiguous(), k_cache, v_cache, bucket.slots,
                                                           bucket.lengths, by_slot, scale, shape.window or 0, shape.softcap or 0.0)
     return out
+
+
+class CppAttention:
+    """The AttentionBackend of caches in the compute dtype on the CPU, where the kernel builds: decode rows and draft rows
+    on the C++ kernel, which walks the block tables itself, so nothing is prepared per step."""
+
+    def decode(
+        self, query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+        context_lens: torch.Tensor, scale: float, k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
+        shape: ScoreShape = PLAIN,
+    ) -> torch.Tensor:
+        return decode_attention_cpu(query, k_cache, v_cache, block_tables, context_lens, scale, k_scale, v_scale, shape)
+
+    def attend_rows(
+        self, query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, buckets: list[DecodeRows], scale: float,
+        k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None, shape: ScoreShape = PLAIN,
+    ) -> torch.Tensor:
+        return attend_rows_cpu(query, k_cache, v_cache, buckets, scale, k_scale, v_scale, shape)
+
+    def step_decode_rows(self, block_tables: torch.Tensor, context_lens: torch.Tensor, block_size: int) -> list[DecodeRows] | None:
+        return None

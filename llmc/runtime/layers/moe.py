@@ -9,7 +9,7 @@ from torch import nn
 from transformers.activations import ACT2FN
 
 from llmc.checkpoints.calibration_moe import top_k_routing
-from llmc.checkpoints.families import FAMILIES, MoeLayout
+from llmc.checkpoints.families import MoeLayout
 
 
 class LinearLoader(Protocol):
@@ -71,11 +71,9 @@ class SparseMoeBlock(nn.Module):
         return output
 
 
-def moe_block(config, layer_index: int, prefix: str, weights: LinearLoader) -> nn.Module | None:
-    """The decoder layer's MoE MLP (prefix: the layer's, model.layers.N); None where the layer's MLP is dense (a
-    dense family, or a Qwen3-MoE layer in `mlp_only_layers` or off `decoder_sparse_step`)."""
-    family = FAMILIES.get(config.model_type)
-    layout = family.moe if family is not None else None
+def moe_block(config, layout: MoeLayout | None, layer_index: int, prefix: str, weights: LinearLoader) -> nn.Module | None:
+    """The decoder layer's MoE MLP (layout: the family's, Family.moe; prefix: the layer's, model.layers.N); None where
+    the layer's MLP is dense (a dense family, or a Qwen3-MoE layer in `mlp_only_layers` or off `decoder_sparse_step`)."""
     if layout is None or not layout.is_sparse(config, layer_index):
         return None
     return SparseMoeBlock(config, layout, prefix, weights)

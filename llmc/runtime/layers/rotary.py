@@ -19,8 +19,8 @@ def family_rotary_class(config) -> type[nn.Module]:
     """transformers' own rotary embedding for the config's family: every RoPE variant (llama3, yarn, longrope, per
     layer type, partial rotation) is then computed as the reference computes it."""
     model_class_name = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[config.model_type]
-    family = config.model_type.removesuffix("_text")  # gemma3_text lives in transformers.models.gemma3
-    module = importlib.import_module(f"transformers.models.{family}.modeling_{family}")
+    # the modeling module beside the config class's (gemma3_text's lives in transformers.models.gemma3)
+    module = importlib.import_module(type(config).__module__.replace(".configuration_", ".modeling_"))
     return getattr(module, model_class_name.removesuffix("ForCausalLM") + "RotaryEmbedding")
 
 

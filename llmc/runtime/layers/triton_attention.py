@@ -6,7 +6,7 @@ import torch
 import triton
 import triton.language as tl
 
-from llmc.runtime.layers.attention import PLAIN, ScoreShape
+from llmc.runtime.layers.attention import PLAIN, DecodeRows, ReferenceAttention, ScoreShape
 
 
 @triton.jit
@@ -54,7 +54,7 @@ def decode_attention_triton(
     shape: ScoreShape = PLAIN,
 ) -> torch.Tensor:
     """Same contract as decode_attention_reference: [num_seqs, heads, head_dim] queries, one per sequence; plain scores
-    only (the model runner keeps windowed and soft-capped layers on the reference)."""
+    only (the kernel policy keeps windowed and soft-capped models on the reference)."""
     assert shape == PLAIN, "the Triton decode kernel has no sliding window or soft cap"
     num_seqs, num_heads, head_dim = query.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
@@ -70,3 +70,18 @@ def decode_attention_triton(
         HEAD_DIM=head_dim, FP8_KV=fp8,
     )
     return out
+
+
+class TritonAttention(ReferenceAttention):
+    """The AttentionBackend of CUDA models whose scores are plain (no window, no soft cap): decode rows on the Triton
+    kernel, which walks the block tables itself; draft rows on the reference."""
+
+    def decode(
+        self, query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+        context_lens: torch.Tensor, scale: float, k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
+        shape: ScoreShape = PLAIN,
+    ) -> torch.Tensor:
+        return decode_attention_triton(query, k_cache, v_cache, block_tables, context_lens, scale, k_scale, v_scale, shape)
+
+    def step_decode_rows(self, block_tables: torch.Tensor, context_lens: torch.Tensor, block_size: int) -> list[DecodeRows] | None:
+        return None

@@ -1,14 +1,19 @@
 """One forward for every dense family the runtime serves (Llama, Mistral, Qwen2/3, SmolLM3, Gemma 2/3, Phi-3) and
 the mixture-of-experts ones (Mixtral, Qwen3-MoE: layers/moe.py), built from config.json and the artifact's
 tensors. What sets a family apart (q/k norms, biases, soft-capping, sliding windows, norm offsets, the activation,
-layers without RoPE, fused projections) is an option the config turns on (models/architecture.py)."""
+layers without RoPE, fused projections) is an option the config and the family's record turn on
+(models/architecture.py). The attention backend and the KV cache are given at construction (engine/kernel_policy.py
+chooses the backend)."""
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 from torch import nn
+from transformers import PretrainedConfig
 from transformers.activations import ACT2FN
 
 from llmc.core.errors import LlmcError
-from llmc.runtime.layers.attention import AttentionMetadata, PagedAttention, ScoreShape
+from llmc.runtime.layers.attention import AttentionBackend, AttentionMetadata, LayerKVCache, PagedAttention, ScoreShape
 from llmc.runtime.layers.linear import DenseLinear
 from llmc.runtime.layers.linear_weight import LinearWeight
 from llmc.runtime.layers.moe import moe_block
@@ -19,16 +24,30 @@ from llmc.runtime.models.loader import WeightLoader
 
 
 def rms_norm(weights: WeightLoader, name: str, eps: float, arch: Architecture) -> RMSNorm:
-    return RMSNorm(weights.tensor(f"{name}.weight"), eps, arch.norm_offset)
+    return RMSNorm(weights.tensor(f"{name}.weight"), eps, arch.family.norm_offset)
+
+
+@dataclass(frozen=True)
+class LayerContext:
+    """What every decoder layer is built from: the config, what sets its family apart, its weights, and the attention
+    backend with the whole KV cache [2, layers, blocks, block_size, kv_heads, head_dim] its layers attend over."""
+
+    config: PretrainedConfig
+    arch: Architecture
+    weights: WeightLoader
+    attention: AttentionBackend
+    kv_cache: torch.Tensor
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, config, arch: Architecture, index: int, prefix: str, weights: WeightLoader, rotary: RotaryEmbedding | None):
+    def __init__(self, context: LayerContext, index: int, rotary: RotaryEmbedding | None):
         super().__init__()
+        config, arch, weights = context.config, context.arch, context.weights
+        layer = f"{arch.family.layers}.{index}"
+        prefix = f"{layer}.self_attn"
         self.num_heads, self.num_kv_heads = config.num_attention_heads, config.num_key_value_heads
         self.head_dim = arch.head_dim
-        projections = ["qkv_proj"] if arch.fused_projections else ["q_proj", "k_proj", "v_proj"]
-        self.qkv_proj = weights.linear([f"{prefix}.{name}" for name in projections])
+        self.qkv_proj = weights.linear([f"{layer}.{name}" for name in arch.family.qkv])
         self.o_proj = weights.linear([f"{prefix}.o_proj"])
         self.q_norm = self.k_norm = None
         if f"{prefix}.q_norm.weight" in weights:  # Qwen3, Gemma 3: each head's q and k normed before RoPE
@@ -36,10 +55,9 @@ class LlamaAttention(nn.Module):
             self.k_norm = rms_norm(weights, f"{prefix}.k_norm", config.rms_norm_eps, arch)
         self.rotary = rotary  # None: a layer without positions (SmolLM3)
         shape = ScoreShape(arch.sliding_windows[index], arch.attention_softcap)
-        self.attn = PagedAttention(self.num_heads, self.num_kv_heads, self.head_dim, arch.attention_scale, shape)
-        kv_scales = weights.kv_scales(prefix, self.num_kv_heads)
-        if kv_scales is not None:
-            self.attn.k_scale, self.attn.v_scale = kv_scales
+        k_scale, v_scale = weights.kv_scales(prefix, self.num_kv_heads) or (None, None)
+        cache = LayerKVCache(context.kv_cache[0, index], context.kv_cache[1, index], k_scale, v_scale)
+        self.attn = PagedAttention(arch.attention_scale, shape, context.attention, cache)
 
     def project(self, positions: torch.Tensor, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """q, k (normed and rotated as the family does) and v of each token: [tokens, heads, head_dim]."""
@@ -55,11 +73,10 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, prefix: str, weights: WeightLoader, arch: Architecture):
+    def __init__(self, layer: str, weights: WeightLoader, arch: Architecture):
         super().__init__()
-        projections = ["gate_up_proj"] if arch.fused_projections else ["gate_proj", "up_proj"]
-        self.gate_up_proj = weights.linear([f"{prefix}.{name}" for name in projections])
-        self.down_proj = weights.linear([f"{prefix}.down_proj"])
+        self.gate_up_proj = weights.linear([f"{layer}.{name}" for name in arch.family.gate_up])
+        self.down_proj = weights.linear([f"{layer}.mlp.down_proj"])
         self.act_fn = ACT2FN[arch.activation]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -68,17 +85,18 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config, arch: Architecture, index: int, weights: WeightLoader, rotary: RotaryEmbedding | None):
+    def __init__(self, context: LayerContext, index: int, rotary: RotaryEmbedding | None):
         super().__init__()
-        prefix, eps = f"model.layers.{index}", config.rms_norm_eps
+        config, arch, weights = context.config, context.arch, context.weights
+        prefix, eps = f"{arch.family.layers}.{index}", config.rms_norm_eps
         self.input_layernorm = rms_norm(weights, f"{prefix}.input_layernorm", eps, arch)
-        self.self_attn = LlamaAttention(config, arch, index, f"{prefix}.self_attn", weights, rotary)
+        self.self_attn = LlamaAttention(context, index, rotary)
         self.post_attention_layernorm = rms_norm(weights, f"{prefix}.post_attention_layernorm", eps, arch)
-        self.sandwich_norms = arch.sandwich_norms
-        if arch.sandwich_norms:  # Gemma: post_attention_layernorm norms the attention's output; these the MLP's input and output
+        self.sandwich_norms = arch.family.sandwich_norms
+        if self.sandwich_norms:  # post_attention_layernorm norms the attention's output; these the MLP's input and output
             self.pre_feedforward_layernorm = rms_norm(weights, f"{prefix}.pre_feedforward_layernorm", eps, arch)
             self.post_feedforward_layernorm = rms_norm(weights, f"{prefix}.post_feedforward_layernorm", eps, arch)
-        self.mlp = moe_block(config, index, prefix, weights) or LlamaMLP(f"{prefix}.mlp", weights, arch)
+        self.mlp = moe_block(config, arch.family.moe, index, prefix, weights) or LlamaMLP(prefix, weights, arch)
 
     # the layer in three pieces: the two around the paged attention have static shapes but the number of tokens, so
     # they are what torch.compile compiles (engine/compiled.py); the attention reads the cache by each step's lengths
@@ -107,30 +125,32 @@ def aux_layer_ids(layers, num_layers: int, what: str) -> tuple[int, ...]:
 
 
 class LlamaForCausalLM(nn.Module):
-    def __init__(self, config, weights: WeightLoader, max_position: int):
+    """kv_cache: [2, layers, blocks, block_size, kv_heads, head_dim], the keys' and values' blocks of every layer;
+    attention: how every layer's decode rows read them."""
+
+    def __init__(self, config, weights: WeightLoader, max_position: int, attention: AttentionBackend, kv_cache: torch.Tensor):
         super().__init__()
         self.arch = arch = architecture_of(config)
+        family = arch.family
         rotaries = {
             layer_type: RotaryEmbedding(config, max_position, weights.dtype, layer_type).to(weights.device)
             for layer_type in dict.fromkeys(arch.layer_types)
         }
-        self.embed_tokens = nn.Parameter(weights.tensor("model.embed_tokens.weight"), requires_grad=False)
+        self.embed_tokens = nn.Parameter(weights.tensor(f"{family.embed_tokens}.weight"), requires_grad=False)
+        context = LayerContext(config, arch, weights, attention, kv_cache)
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, arch, index, weights, rotaries[arch.layer_types[index]] if arch.uses_rope[index] else None)
+            LlamaDecoderLayer(context, index, rotaries[arch.layer_types[index]] if arch.uses_rope[index] else None)
             for index in range(config.num_hidden_layers)
         )
-        self.norm = rms_norm(weights, "model.norm", config.rms_norm_eps, arch)
+        self.norm = rms_norm(weights, family.final_norm, config.rms_norm_eps, arch)
         if config.tie_word_embeddings:
             self.lm_head = DenseLinear(LinearWeight(self.embed_tokens.data), weights.dtype, weights.device)
         else:
-            self.lm_head = weights.linear(["lm_head"])
+            self.lm_head = weights.linear([family.lm_head])
         # EAGLE-3's auxiliary features: the residual stream entering these layers (len(layers): leaving the last),
         # joined in layer order into aux_hidden [tokens, len(aux_layer_ids) * hidden] by every forward
         self.aux_layer_ids: tuple[int, ...] = ()
         self.aux_hidden: torch.Tensor | None = None
-
-    def attention_layers(self) -> list[PagedAttention]:
-        return [layer.self_attn.attn for layer in self.layers]
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         hidden = F.embedding(input_ids, self.embed_tokens)

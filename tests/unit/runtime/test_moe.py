@@ -234,7 +234,8 @@ def test_evals_emulate_quantized_expert_inputs_as_the_runtime_computes_them(tmp_
 
 
 def runtime_block(folder: Path, dtype: torch.dtype, layer: int = 0) -> SparseMoeBlock | None:
-    return moe_block(AutoConfig.from_pretrained(folder), layer, f"model.layers.{layer}", WeightLoader(folder, dtype, "cpu"))
+    config = AutoConfig.from_pretrained(folder)
+    return moe_block(config, family_for(config).moe, layer, f"model.layers.{layer}", WeightLoader(folder, dtype, "cpu"))
 
 
 @pytest.mark.parametrize("name", list(MODELS))
