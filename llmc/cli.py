@@ -134,46 +134,102 @@ def quantize(recipe: Path, output: str | None, overrides: tuple[str, ...], overw
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
 @DEVICE_OPTION
 @with_options(SPECULATIVE_SHAPE_OPTIONS)
-def evaluate(targets: tuple[str, ...], perplexity_data: str | None, seq_len: int, max_windows: int, business: str | None,
-             tasks: str | None, allow_task_code: bool, limit: int | None, gate: tuple[str, ...], out: Path | None,
-             speculative: str | None, prompts_file: Path | None, num_prompts: int, max_tokens: int, concurrency: int,
-             histogram: Path | None, vllm: str | None, as_json: bool, device: str, **shape) -> None:
+def evaluate(**options) -> None:
     """Evaluate TARGETS (model specs or artifacts) side by side; the first is the baseline."""
-    if speculative is not None:
-        from llmc.evals.gate import check_accepted_length
-        from llmc.evals.speculative import evaluate_speculative, speculative_table
-
-        draft_gate = speculative_gate(list(gate))
-        result = evaluate_speculative(targets[0], speculative, prompts_file, num_prompts, max_tokens, concurrency, histogram,
-                                      shape, chosen_device(device), vllm)
-        if as_json:
-            click.echo(json.dumps(result, indent=2))
-        else:
-            console.print(speculative_table(result))
-        check_accepted_length(result["mean_accepted_length"], draft_gate, f"{targets[0]}'s draft on {prompts_file}")
+    if options["speculative"] is not None:
+        evaluate_draft(options_as(DraftEval, options))
         return
-    if vllm is not None:
+    if options["vllm"] is not None:
         raise LlmcError("--vllm measures a draft in vLLM: it goes with --speculative")
+    evaluate_targets(options_as(TargetsEval, options))
+
+
+def options_as(record: type, options: dict):
+    """The dataclass `record` with the command's options of its fields' names."""
+    return record(**{field.name: options[field.name] for field in dataclasses.fields(record)})
+
+
+@dataclasses.dataclass
+class TargetsEval:
+    """`llmc eval TARGETS...`: the quality evals of each target, side by side with the first."""
+
+    targets: tuple[str, ...]
+    perplexity_data: str | None
+    seq_len: int
+    max_windows: int
+    business: str | None
+    tasks: str | None
+    allow_task_code: bool
+    limit: int | None
+    gate: tuple[str, ...]
+    out: Path | None
+    as_json: bool
+    device: str
+
+
+def evaluate_targets(options: TargetsEval) -> None:
     from llmc.evals.config import options_eval_config
     from llmc.evals.inputs import load_eval_inputs
 
-    config = options_eval_config(perplexity_data, seq_len, max_windows, business, tasks, limit, list(gate), allow_task_code)
-    eval_device = chosen_device(device)
+    config = options_eval_config(options.perplexity_data, options.seq_len, options.max_windows, options.business, options.tasks,
+                                 options.limit, list(options.gate), options.allow_task_code)
+    eval_device = chosen_device(options.device)
     inputs = load_eval_inputs(config)  # before the models' imports: a missing input fails fast
     from llmc.evals.gate import require_gate_passed
     from llmc.evals.report import summary_table, write_report
     from llmc.evals.suite import evaluate_specs
 
-    report = evaluate_specs(list(targets), config, inputs, eval_device)
-    if out is not None:
-        write_report(report, out)
-    if as_json:
+    report = evaluate_specs(list(options.targets), config, inputs, eval_device)
+    if options.out is not None:
+        write_report(report, options.out)
+    if options.as_json:
         click.echo(json.dumps(report, indent=2))
     else:
-        console.print(summary_table(report, title=f"baseline: {targets[0]}"))
-        if out is not None:
-            console.print(f"report: {out / 'report.md'}")
+        console.print(summary_table(report, title=f"baseline: {options.targets[0]}"))
+        if options.out is not None:
+            console.print(f"report: {options.out / 'report.md'}")
     require_gate_passed(report)
+
+
+@dataclasses.dataclass
+class DraftEval:
+    """`llmc eval TARGET --speculative auto|DRAFT_DIR`: speculative decoding measured with TARGET's draft heads."""
+
+    targets: tuple[str, ...]  # the first is measured
+    speculative: str
+    prompts_file: Path | None
+    num_prompts: int
+    max_tokens: int
+    concurrency: int
+    histogram: Path | None
+    vllm: str | None
+    gate: tuple[str, ...]
+    as_json: bool
+    device: str
+    num_speculative_tokens: int | None
+    speculative_tree_nodes: int | None
+    speculative_min_confidence: float | None
+
+    @property
+    def shape(self) -> dict:
+        """The draft shape options, as the speculative decoder takes them (None: the method's default)."""
+        return {"num_speculative_tokens": self.num_speculative_tokens, "speculative_tree_nodes": self.speculative_tree_nodes,
+                "speculative_min_confidence": self.speculative_min_confidence}
+
+
+def evaluate_draft(options: DraftEval) -> None:
+    from llmc.evals.gate import check_accepted_length
+    from llmc.evals.speculative import evaluate_speculative, speculative_table
+
+    target = options.targets[0]
+    draft_gate = speculative_gate(list(options.gate))
+    result = evaluate_speculative(target, options.speculative, options.prompts_file, options.num_prompts, options.max_tokens,
+                                  options.concurrency, options.histogram, options.shape, chosen_device(options.device), options.vllm)
+    if options.as_json:
+        click.echo(json.dumps(result, indent=2))
+    else:
+        console.print(speculative_table(result))
+    check_accepted_length(result["mean_accepted_length"], draft_gate, f"{target}'s draft on {options.prompts_file}")
 
 
 @cli.command()

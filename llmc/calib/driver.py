@@ -14,6 +14,7 @@ from dataclasses import dataclass, replace
 import torch
 from torch import nn
 from tqdm import tqdm
+from transformers import PretrainedConfig
 
 from llmc.calib.data import CalibrationSet
 from llmc.calib.memory import activations_fit_device
@@ -22,10 +23,11 @@ from llmc.checkpoints.calibration_moe import linearize_experts
 from llmc.checkpoints.checkpoint_reader import CheckpointReader
 from llmc.checkpoints.families import Family, family_for
 from llmc.quant.kvcache import KV_ATTENTION
-from llmc.quant.layer import COMPUTE_DTYPE, CPU, LayerRunner, LayerWork, Modifier, recording
+from llmc.quant.layer import COMPUTE_DTYPE, CPU, LayerRunner, LayerWork, recording
 from llmc.quant.plan import QuantizationPlan
 from llmc.quant.qtypes import QuantArgs, QuantizedWeight
 from llmc.quant.ranks import SINGLE, Ranks
+from llmc.quant.stage import StageRun
 
 EmitLayer = Callable[[str, nn.Module, dict[str, QuantizedWeight], "LayerReport"], None]
 
@@ -53,6 +55,29 @@ class Resumption:
 
     reports: list[LayerReport]
     written_state: Callable[[str], dict[str, torch.Tensor]]
+
+
+@dataclass
+class SourceModel:
+    """The model being quantized: its checkpoint's tensors, read a layer at a time, and its structure."""
+
+    reader: CheckpointReader
+    skeleton: nn.Module  # build_skeleton's: every parameter on the meta device
+    config: PretrainedConfig
+    family: Family
+
+
+@dataclass
+class LayerwiseQuantization:
+    """What each decoder layer goes through, and where."""
+
+    stages: list[StageRun]  # the recipe's, in order
+    plan: QuantizationPlan
+    calibration: CalibrationSet | None  # None: data-free stages only, and no output error measured
+    kv_cache: QuantArgs | None = None  # the KV cache's format, whose scales the last pass over each layer calibrates
+    device: torch.device = CPU
+    stored_dtype: torch.dtype = COMPUTE_DTYPE  # what the artifact stores unquantized parameters in
+    ranks: Ranks = SINGLE  # the processes calibrating together, this one on its share of the samples
 
 
 def build_skeleton(config) -> nn.Module:
@@ -109,11 +134,12 @@ def round_as_stored(layer: nn.Module, prefix: str, quantized: dict[str, Quantize
             param.data = param.data.to(stored_dtype).to(param.dtype)
 
 
-def replay_finished(layers: nn.ModuleList, family: Family, resumed: Resumption, runner: LayerRunner, hidden: torch.Tensor,
+def replay_finished(model: SourceModel, resumed: Resumption, runner: LayerRunner, hidden: torch.Tensor,
                     device: torch.device) -> torch.Tensor:
     """The calibration activations after the finished layers, through their weights as written."""
+    layers = decoder_layers(model.skeleton, model.family)
     for index in tqdm(range(len(resumed.reports)), desc="replaying finished layers", unit="layer"):
-        layer, prefix = layers[index], f"{family.layers}.{index}"
+        layer, prefix = layers[index], f"{model.family.layers}.{index}"
         layer.to_empty(device=device)
         layer.load_state_dict({name: tensor.to(device, COMPUTE_DTYPE) for name, tensor in resumed.written_state(prefix).items()})
         runner.select(index)
@@ -129,33 +155,23 @@ def activations_home(hidden: torch.Tensor, device: torch.device) -> torch.Tensor
     return hidden.pin_memory() if device.type == "cuda" else hidden
 
 
-def quantize_layerwise(
-    reader: CheckpointReader,
-    skeleton: nn.Module,
-    config,
-    family: Family,
-    modifiers: list[Modifier],
-    plan: QuantizationPlan,
-    calibration: CalibrationSet | None,
-    emit: EmitLayer,
-    kv_cache: QuantArgs | None = None,
-    device: torch.device = CPU,
-    stored_dtype: torch.dtype = COMPUTE_DTYPE,
-    resumed: Resumption | None = None,
-    ranks: Ranks = SINGLE,
-) -> list[LayerReport]:
+def quantize_layerwise(model: SourceModel, quantization: LayerwiseQuantization, emit: EmitLayer | None = None,
+                       resumed: Resumption | None = None) -> list[LayerReport]:
     """One layer at a time on the device: its weights, its statistics and a batch of activations at least; what
-    emit gets is back on the host. stored_dtype: what the artifact stores unquantized parameters in. ranks: the
-    processes calibrating together, this one on its share of the samples; every rank emits the same layers."""
-    layers = decoder_layers(skeleton, family)
+    emit gets (each finished layer, to write) is back on the host. Every rank runs the same layers; only one that
+    writes them passes emit."""
+    stages, plan, device, ranks = quantization.stages, quantization.plan, quantization.device, quantization.ranks
+    reader, family, calibration = model.reader, model.family, quantization.calibration
+    layers = decoder_layers(model.skeleton, family)
     hidden = runner = None
     reports = list(resumed.reports) if resumed else []
     if calibration is not None:
-        runner = LayerRunner(skeleton, config, calibration.input_ids.shape[1], compute_dtype=calibration.compute_dtype, device=device)
+        runner = LayerRunner(model.skeleton, model.config, calibration.input_ids.shape[1], compute_dtype=calibration.compute_dtype,
+                             device=device)
         input_ids = calibration.input_ids[ranks.samples(len(calibration.input_ids))]
         hidden = activations_home(embed(reader, family, input_ids), device)
         if resumed:
-            hidden = replay_finished(layers, family, resumed, runner, hidden, device)
+            hidden = replay_finished(model, resumed, runner, hidden, device)
     for index in tqdm(range(len(reports), len(layers)), desc="quantizing layers", unit="layer", initial=len(reports), total=len(layers),
                       disable=ranks.rank != 0):
         started = time.perf_counter()
@@ -168,28 +184,29 @@ def quantize_layerwise(
         weights = plan.layer_weights(linears)
         reference = None
         quantized: dict[str, QuantizedWeight] = {}
-        for position, modifier in enumerate(modifiers):
+        for position, stage in enumerate(stages):
             work = LayerWork(layer, prefix, plan.stage_linears(position, linears), weights, runner, ranks)
-            observed = modifier.observed_modules(work) if runner else {}
+            observed = stage.observed_modules(work) if runner else {}
             if observed or (runner and position == 0):  # the first pass, before any change, is the reference
-                with recording(observed, modifier.record):
+                with recording(observed, stage.record):
                     outputs = runner(layer, hidden)
                 if position == 0:
                     reference = outputs
-            quantized |= modifier.process(work)
+            quantized |= stage.process(work)
         activations = plan.layer_activations(linears)
         quantized = {name: replace(weight, input_activations=activations.get(name)) for name, weight in quantized.items()}
         error = None
         if runner:
-            round_as_stored(layer, prefix, quantized, stored_dtype)
+            round_as_stored(layer, prefix, quantized, quantization.stored_dtype)
             static_inputs = {name: args for name, args in activations.items() if not args.dynamic}
-            with observing_scales(layer, prefix, static_inputs, kv_cache, ranks):
+            with observing_scales(layer, prefix, static_inputs, quantization.kv_cache, ranks):
                 hidden = runner(layer, hidden)
             if reference is not None:  # None when no stage changes weights (only the KV cache is calibrated)
                 error_sum, reference_sum = ranks.sum_floats(float(((hidden - reference) ** 2).sum()), float((reference**2).sum()))
                 error = error_sum / max(reference_sum, 1e-30)
         report = LayerReport(index, time.perf_counter() - started, len(quantized), error)
-        emit(prefix, layer.to(CPU), {name: weight.to(CPU) for name, weight in quantized.items()}, report)
+        if emit is not None:
+            emit(prefix, layer.to(CPU), {name: weight.to(CPU) for name, weight in quantized.items()}, report)
         layer.to("meta")
         return_freed_memory()
         reports.append(report)

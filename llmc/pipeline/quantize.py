@@ -18,7 +18,14 @@ from llmc.artifact.reader import layout_of
 from llmc.artifact.resume import REPORT_DIR, Journal, journaled, resumable_staging, resumed_journal, resumption, run_fingerprint
 from llmc.artifact.writer import COMPLETE, DRAFT, EVALS, RECIPE, WRITTEN, ShardWriter, staged_folder, write_manifest
 from llmc.calib.data import load_calibration
-from llmc.calib.driver import build_skeleton, decoder_layers, decoder_linears, quantize_layerwise
+from llmc.calib.driver import (
+    LayerwiseQuantization,
+    SourceModel,
+    build_skeleton,
+    decoder_layers,
+    decoder_linears,
+    quantize_layerwise,
+)
 from llmc.calib.memory import estimate_memory, require_fits
 from llmc.checkpoints.checkpoint_reader import CheckpointReader
 from llmc.checkpoints.families import family_for
@@ -33,6 +40,7 @@ from llmc.pipeline.preflight import resolve_eval_and_draft_inputs, resolved
 from llmc.pipeline.recipe import Recipe
 from llmc.quant.plan import build_plan
 from llmc.quant.ranks import ranks_from_environment
+from llmc.quant.stage import StageRole, stage_type_of, start_stage
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 LIBRARIES = ("torch", "transformers", "compressed-tensors", "safetensors", "datasets")
@@ -80,9 +88,9 @@ def run_quantize(recipe: Recipe, overwrite: bool = False, eval_inputs: EvalInput
     dtype = export_dtype(recipe, config)
     kv_cache = recipe.kv_cache.args if recipe.kv_cache else None
     exporter = exporter_for(recipe.export, kv_cache, recipe.gptq_dampening_frac)
-    modifiers = [stage.modifier(exporter.scale_dtype or dtype, family) for stage in recipe.stages]
+    stages = [start_stage(stage, exporter.scale_dtype or dtype, family) for stage in recipe.stages]
     skeleton = build_skeleton(config)
-    plan = build_plan(modifiers, decoder_linears(skeleton, family), kv_only=not recipe.stages)
+    plan = build_plan(stages, decoder_linears(skeleton, family), kv_only=not recipe.stages)
     calibration = None
     if recipe.calibration:
         calibration = resolved(recipe, ("calibration", "dataset"), lambda: load_calibration(recipe.calibration, tokenizer))
@@ -96,11 +104,11 @@ def run_quantize(recipe: Recipe, overwrite: bool = False, eval_inputs: EvalInput
     fingerprint = run_fingerprint(recipe.model_dump(mode="json"), calibration and calibration.sha256, llmc.__version__)
     adopt = resumable_staging(output, fingerprint) if resume else None
     all_linears = [name for name, module in skeleton.named_modules() if isinstance(module, torch.nn.Linear)]
-    quantization = exporter.config(plan, all_linears)
+    quantization_config = exporter.config(plan, all_linears)
     run = RunFacts(describe_run(recipe, dtype, calibration), ranks.world_size, estimate.to_dict(), time.perf_counter() - started)
+    layerwise = LayerwiseQuantization(stages, plan, calibration, kv_cache, device, dtype, ranks)
     if ranks.rank != 0:  # the same layers as rank 0, which alone writes them
-        quantize_layerwise(CheckpointReader(folder), skeleton, config, family, modifiers, plan, calibration,
-                           lambda *layer: None, kv_cache, device, dtype, None, ranks)
+        quantize_layerwise(SourceModel(CheckpointReader(folder), skeleton, config, family), layerwise)
         return output
 
     with staged_folder(output, overwrite, adopt) as staging:
@@ -111,15 +119,15 @@ def run_quantize(recipe: Recipe, overwrite: bool = False, eval_inputs: EvalInput
             num_layers = len(decoder_layers(skeleton, family))
             writer = ShardWriter(staging, num_layers + 1, dtype, exporter.tensors)
             writer.restore([(layer.shard, layer.tensor_bytes) for layer in journal.finished])
-            quantize_layerwise(reader, skeleton, config, family, modifiers, plan, calibration, journaled(writer, journal),
-                               kv_cache, device, dtype, resumption(journal, layout_of(quantization)), ranks)
+            quantize_layerwise(SourceModel(reader, skeleton, config, family), layerwise, journaled(writer, journal),
+                               resumption(journal, layout_of(quantization_config)))
             quantize_memory = peak_memory(device)
             rest = reader.tensors([name for name in reader.file_of if not name.startswith(f"{family.layers}.")])
             writer.write({name: tensor.to(dtype) for name, tensor in rest.items()})
             writer.write_index()
-            _write_config(folder, staging, quantization, dtype)
+            _write_config(folder, staging, quantization_config, dtype)
             for name in exporter.extra_files:
-                (staging / name).write_text(json.dumps(quantization, indent=2, sort_keys=True) + "\n")
+                (staging / name).write_text(json.dumps(quantization_config, indent=2, sort_keys=True) + "\n")
             tokenizer.save_pretrained(staging)
             (staging / RECIPE).write_text(recipe.to_yaml())
             journal.record_written({"quantize_s": time.perf_counter() - started, "memory": quantize_memory})
@@ -186,7 +194,7 @@ def describe_run(recipe: Recipe, dtype: torch.dtype, calibration) -> dict:
 
 def _describe_stage(stage) -> dict:
     described = {"type": stage.type}
-    if hasattr(stage, "weights"):
+    if stage_type_of(stage).role is StageRole.WEIGHT:
         described["weights"] = stage.weights.describe()
         if stage.input_activations is not None:
             described["input_activations"] = stage.input_activations.describe()

@@ -1,7 +1,7 @@
 """The recipe: one YAML file that drives the whole pipeline. Each section's fields live beside the code they
 configure; this module assembles them, checks what spans sections, and loads YAML."""
 from pathlib import Path
-from typing import Annotated, get_args
+from typing import Annotated, Union
 
 import yaml
 from pydantic import Field, PrivateAttr, field_validator, model_validator
@@ -15,16 +15,18 @@ from llmc.core.schema import StrictModel
 from llmc.core.validation import located, validated_document
 from llmc.draft.config import DraftConfig
 from llmc.evals.config import EvalConfig
-from llmc.quant.awq import AWQStage
+from llmc.quant import awq, gptq, rtn, smoothquant  # noqa: F401  (importing an algorithm's module registers its stage)
 from llmc.quant.gptq import GPTQStage
 from llmc.quant.kvcache_config import KVCacheConfig
 from llmc.quant.rtn import RTNStage
-from llmc.quant.smoothquant import SmoothQuantStage
+from llmc.quant.stage import StageRole, stage_types
 
-StageConfig = Annotated[RTNStage | GPTQStage | AWQStage | SmoothQuantStage, Field(discriminator="type")]
-WEIGHT_STAGES = (RTNStage, GPTQStage)
-TRANSFORM_STAGES = (AWQStage, SmoothQuantStage)
-STAGE_TYPES = tuple(get_args(stage.model_fields["type"].annotation)[0] for stage in WEIGHT_STAGES + TRANSFORM_STAGES)
+# the union of every registered stage's section; `X | Y` would need the members spelled out
+StageConfig = Annotated[Union[tuple(stage.config for stage in stage_types())], Field(discriminator="type")]  # noqa: UP007
+WEIGHT_STAGES = tuple(stage.config for stage in stage_types(StageRole.WEIGHT))
+TRANSFORM_STAGES = tuple(stage.config for stage in stage_types(StageRole.TRANSFORM))
+WEIGHT_TYPES = tuple(stage.name for stage in stage_types(StageRole.WEIGHT))
+STAGE_TYPES = tuple(stage.name for stage in stage_types())
 
 
 class Recipe(StrictModel):
@@ -54,9 +56,11 @@ class Recipe(StrictModel):
             if isinstance(stage, TRANSFORM_STAGES):
                 before, after = self.stages[:index], self.stages[index + 1 :]
                 if any(isinstance(s, WEIGHT_STAGES) for s in before):
-                    raise ValueError(f"stages.{index} ({stage.type}) must come before the stages that quantize (rtn, gptq)")
+                    raise ValueError(f"stages.{index} ({stage.type}) must come before the stages that quantize "
+                                     f"({', '.join(WEIGHT_TYPES)})")
                 if not any(isinstance(s, WEIGHT_STAGES) for s in after):
-                    raise ValueError(f"stages.{index} ({stage.type}) must be followed by a stage that quantizes (rtn or gptq)")
+                    raise ValueError(f"stages.{index} ({stage.type}) must be followed by a stage that quantizes "
+                                     f"({' or '.join(WEIGHT_TYPES)})")
             if stage.needs_calibration and self.calibration is None:
                 reason = "static input_activations need calibrated scales" if isinstance(stage, RTNStage) else "it observes data"
                 raise ValueError(f"stages.{index} ({stage.type}) needs a calibration section: {reason}")

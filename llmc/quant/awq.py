@@ -14,6 +14,7 @@ from llmc.core.schema import StrictModel
 from llmc.quant.layer import LayerWork
 from llmc.quant.qtypes import QuantArgs, QuantizedWeight, fake_quantize
 from llmc.quant.ranks import Ranks
+from llmc.quant.stage import StageRole, StageRun, register_stage
 
 CLIP_TOKENS = 512  # evenly spaced calibration tokens for the clip search, as AutoAWQ samples
 
@@ -30,9 +31,6 @@ class AWQStage(StrictModel):
     clip_search: bool = False
     max_shrink: float = Field(0.5, gt=0, lt=1)  # the clip search tries ranges down to (1 - max_shrink) x max
     needs_calibration: ClassVar[bool] = True
-
-    def modifier(self, scale_dtype: torch.dtype, family: Family) -> "AWQTransform":
-        return AWQTransform(self, family)
 
 
 def group_width(args: QuantArgs, columns: int) -> int:
@@ -79,12 +77,11 @@ def scalable_pairs(family: Family, work: LayerWork) -> list[ScalingPair]:
     return chosen
 
 
-class AWQTransform:
-    quantizes = False
+class AWQRun(StageRun):
+    config: AWQStage
 
-    def __init__(self, config: AWQStage, family: Family):
-        self.config = config
-        self.family = family
+    def __init__(self, config: AWQStage, scale_dtype: torch.dtype, family: Family):
+        super().__init__(config, scale_dtype, family)
         self.inputs: dict[str, list[torch.Tensor]] = {}
 
     def pairs(self, work: LayerWork) -> list[ScalingPair]:
@@ -174,3 +171,6 @@ def fold_scales(layer: nn.Module, pair: ScalingPair, scales: torch.Tensor, norm_
         smooth.weight.data = (smooth.weight.data + norm_offset) / scales - norm_offset
     for name in pair.balance + pair.also_scaled:
         layer.get_submodule(name).weight.data *= scales
+
+
+register_stage(AWQStage, AWQRun, StageRole.TRANSFORM)

@@ -18,6 +18,7 @@ from llmc.quant.qtypes import (
     quantize_columns,
 )
 from llmc.quant.ranks import Ranks
+from llmc.quant.stage import StageRole, StageRun, register_stage
 from llmc.quant.weight_stage import WeightStage
 
 DAMPENING_RETRIES = 5
@@ -37,9 +38,6 @@ class GPTQStage(WeightStage):
     @property
     def needs_calibration(self) -> bool:
         return True
-
-    def modifier(self, scale_dtype: torch.dtype, family: Family) -> "GPTQQuantizer":
-        return GPTQQuantizer(self, scale_dtype)
 
 
 def upper_cholesky_of_inverse(hessian: torch.Tensor, dampening_frac: float, name: str) -> torch.Tensor:
@@ -128,12 +126,11 @@ def gptq_quantize(
     return QuantizedWeight(unpermuted, scale, zero_point, args, g_idx)
 
 
-class GPTQQuantizer:
-    quantizes = True
+class GPTQRun(StageRun):
+    config: GPTQStage
 
-    def __init__(self, config: GPTQStage, scale_dtype: torch.dtype):
-        self.config = config
-        self.scale_dtype = scale_dtype
+    def __init__(self, config: GPTQStage, scale_dtype: torch.dtype, family: Family):
+        super().__init__(config, scale_dtype, family)
         self._reset()
 
     def _reset(self) -> None:
@@ -183,8 +180,8 @@ class GPTQQuantizer:
             if ranks.owner(index) == ranks.rank:
                 stacked = torch.cat([work.linears[name].weight.data for name in names])
                 solved[index] = gptq_quantize(
-                    stacked, self.hessian(names[0]), self.config.weights, self.config.block_size,
-                    self.config.dampening_frac, self.scale_dtype, "+".join(names),
+                    stacked, self.hessian(names[0]), self.config.weights, block_size=self.config.block_size,
+                    dampening_frac=self.config.dampening_frac, scale_dtype=self.scale_dtype, name="+".join(names),
                 )
         results = {}
         for index, names in enumerate(groups):
@@ -211,3 +208,6 @@ def broadcast_quantized(ranks: Ranks, weight: QuantizedWeight | None, args: Quan
         tensors |= {"g_idx": weight.g_idx} if weight.g_idx is not None else {}
     received = ranks.broadcast_tensors(tensors, src, device)
     return QuantizedWeight(received["codes"], received["scale"], received["zero_point"], args, received.get("g_idx"))
+
+
+register_stage(GPTQStage, GPTQRun, StageRole.WEIGHT)

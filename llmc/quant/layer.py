@@ -3,14 +3,13 @@ calibration inputs, and hooks that hand a stage the inputs of the modules it obs
 from collections.abc import Callable
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Protocol
 
 import torch
 from torch import nn
 
 from llmc.checkpoints.families import rope_layer_types, sliding_windows
 from llmc.quant.kvcache import visible_keys
-from llmc.quant.qtypes import QuantArgs, QuantizedWeight
+from llmc.quant.qtypes import QuantArgs
 from llmc.quant.ranks import SINGLE, Ranks
 
 COMPUTE_DTYPE = torch.float32
@@ -93,19 +92,6 @@ class LayerWork:
     plan: dict[str, QuantArgs]  # every Linear of the layer some stage quantizes, with its format
     runner: LayerRunner | None
     ranks: Ranks = SINGLE  # the processes calibrating together, each on its share of the samples
-
-
-class Modifier(Protocol):
-    """A stage's algorithm, as the layer-by-layer driver runs it."""
-
-    config: object  # the stage's section of the recipe
-    quantizes: bool
-
-    def observed_modules(self, work: LayerWork) -> dict[str, nn.Module]: ...
-
-    def record(self, name: str, inputs: torch.Tensor) -> None: ...
-
-    def process(self, work: LayerWork) -> dict[str, QuantizedWeight]: ...
 
 
 @contextmanager

@@ -7,8 +7,8 @@ from dataclasses import dataclass
 from torch import nn
 
 from llmc.core.errors import LlmcError
-from llmc.quant.layer import Modifier
 from llmc.quant.qtypes import QuantArgs
+from llmc.quant.stage import StageRole, StageRun
 from llmc.quant.targets import select
 
 FITTING_GROUP_SIZES = (32, 64, 128, 256)
@@ -31,10 +31,11 @@ class QuantizationPlan:
         return {name: self.input_activations[name] for name in linears if name in self.input_activations}
 
 
-def build_plan(modifiers: list[Modifier], linears: dict[str, nn.Linear], kv_only: bool = False) -> QuantizationPlan:
+def build_plan(stages: list[StageRun], linears: dict[str, nn.Linear], kv_only: bool = False) -> QuantizationPlan:
     """The plan over `linears` (every decoder layer's, by full name); a Linear is quantized by at most one stage."""
-    per_stage = [select(linears, modifier.config.targets, modifier.config.ignore) for modifier in modifiers]
-    quantizing = [(index, modifier, chosen) for index, (modifier, chosen) in enumerate(zip(modifiers, per_stage)) if modifier.quantizes]
+    per_stage = [select(linears, stage.config.targets, stage.config.ignore) for stage in stages]
+    quantizing = [(index, stage, chosen) for index, (stage, chosen) in enumerate(zip(stages, per_stage))
+                  if stage.role is StageRole.WEIGHT]
     owner: dict[str, int] = {}
     for index, _, chosen in quantizing:
         for name in chosen:
@@ -42,22 +43,22 @@ def build_plan(modifiers: list[Modifier], linears: dict[str, nn.Linear], kv_only
                 raise LlmcError(f"stages {owner[name]} and {index} both quantize {name}; narrow their targets")
             owner[name] = index
     check_group_sizes(quantizing)
-    weights = {name: modifier.config.weights for _, modifier, chosen in quantizing for name in chosen}
+    weights = {name: stage.config.weights for _, stage, chosen in quantizing for name in chosen}
     if not weights and not kv_only:
         raise LlmcError("the recipe's stages target no Linear layer; check their targets and ignore lists")
     activations = {
-        name: modifier.config.input_activations
-        for _, modifier, chosen in quantizing
-        if modifier.config.input_activations is not None
+        name: stage.config.input_activations
+        for _, stage, chosen in quantizing
+        if stage.config.input_activations is not None
         for name in chosen
     }
     return QuantizationPlan([set(chosen) for chosen in per_stage], weights, activations)
 
 
-def check_group_sizes(quantizing: list[tuple[int, Modifier, dict[str, nn.Linear]]]) -> None:
+def check_group_sizes(quantizing: list[tuple[int, StageRun, dict[str, nn.Linear]]]) -> None:
     problems = []
-    for index, modifier, linears in quantizing:
-        args = modifier.config.weights
+    for index, stage, linears in quantizing:
+        args = stage.config.weights
         if args.strategy != "group":
             continue
         misfits = {name: linear.in_features for name, linear in linears.items() if linear.in_features % args.group_size}

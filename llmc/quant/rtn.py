@@ -1,13 +1,11 @@
 """Round-to-nearest: each targeted Linear's weight quantized on its own min/max range. Needs no data."""
 from typing import Literal
 
-import torch
 from pydantic import model_validator
-from torch import nn
 
-from llmc.checkpoints.families import Family
 from llmc.quant.layer import LayerWork
 from llmc.quant.qtypes import QuantizedWeight, quantize_weight
+from llmc.quant.stage import StageRole, StageRun, register_stage
 from llmc.quant.weight_stage import WeightStage
 
 
@@ -20,22 +18,9 @@ class RTNStage(WeightStage):
             raise ValueError("weights.actorder needs a Hessian; use type: gptq")
         return self
 
-    def modifier(self, scale_dtype: torch.dtype, family: Family) -> "RTNQuantizer":
-        return RTNQuantizer(self, scale_dtype)
 
-
-class RTNQuantizer:
-    quantizes = True
-
-    def __init__(self, config: RTNStage, scale_dtype: torch.dtype):
-        self.config = config
-        self.scale_dtype = scale_dtype
-
-    def observed_modules(self, work: LayerWork) -> dict[str, nn.Module]:
-        return {}
-
-    def record(self, name: str, inputs: torch.Tensor) -> None:
-        raise AssertionError("RTN observes nothing")
+class RTNRun(StageRun):
+    config: RTNStage
 
     def process(self, work: LayerWork) -> dict[str, QuantizedWeight]:
         results = {}
@@ -44,3 +29,6 @@ class RTNQuantizer:
             linear.weight.data = quantized.dequantize().to(linear.weight.dtype)
             results[name] = quantized
         return results
+
+
+register_stage(RTNStage, RTNRun, StageRole.WEIGHT)

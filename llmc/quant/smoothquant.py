@@ -13,6 +13,7 @@ from llmc.core.schema import StrictModel
 from llmc.quant.awq import fold_scales, scalable_pairs
 from llmc.quant.layer import LayerWork
 from llmc.quant.qtypes import QuantizedWeight
+from llmc.quant.stage import StageRole, StageRun, register_stage
 
 MIN_SCALE = 1e-5
 
@@ -28,9 +29,6 @@ class SmoothQuantStage(StrictModel):
     ignore: list[str] = []
     needs_calibration: ClassVar[bool] = True
 
-    def modifier(self, scale_dtype: torch.dtype, family: Family) -> "SmoothQuantTransform":
-        return SmoothQuantTransform(self, family)
-
 
 def smoothing_scales(input_max: torch.Tensor, weights: list[torch.Tensor], alpha: float) -> torch.Tensor:
     weight_max = torch.cat(weights).abs().amax(dim=0)
@@ -38,12 +36,11 @@ def smoothing_scales(input_max: torch.Tensor, weights: list[torch.Tensor], alpha
     return scales.clamp(min=MIN_SCALE)
 
 
-class SmoothQuantTransform:
-    quantizes = False
+class SmoothQuantRun(StageRun):
+    config: SmoothQuantStage
 
-    def __init__(self, config: SmoothQuantStage, family: Family):
-        self.config = config
-        self.family = family
+    def __init__(self, config: SmoothQuantStage, scale_dtype: torch.dtype, family: Family):
+        super().__init__(config, scale_dtype, family)
         self.input_max: dict[str, torch.Tensor] = {}
 
     def observed_modules(self, work: LayerWork) -> dict[str, nn.Module]:
@@ -62,3 +59,6 @@ class SmoothQuantTransform:
             fold_scales(work.layer, pair, scales, self.family.norm_offset)
         self.input_max = {}
         return {}
+
+
+register_stage(SmoothQuantStage, SmoothQuantRun, StageRole.TRANSFORM)

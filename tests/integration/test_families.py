@@ -17,10 +17,10 @@ from llmc.core.prompts import distinct_prompts
 from llmc.evals.loading import load_model
 from llmc.pipeline.quantize import run_quantize
 from llmc.pipeline.recipe import load_recipe
-from llmc.quant.awq import AWQStage, AWQTransform
+from llmc.quant.awq import AWQRun, AWQStage
 from llmc.quant.layer import LayerRunner, LayerWork, recording
 from llmc.quant.qtypes import QuantArgs, fake_quantize
-from llmc.quant.smoothquant import SmoothQuantStage, SmoothQuantTransform
+from llmc.quant.smoothquant import SmoothQuantRun, SmoothQuantStage
 from llmc.runtime.engine.config import EngineConfig
 from llmc.runtime.llm import LLM
 from llmc.runtime.sampling_params import SamplingParams
@@ -125,9 +125,9 @@ def test_scaling_pairs_fold_without_changing_the_full_precision_layer(family_mod
     before = runner(layer, hidden)
     linears = layer_linears(layer, "model.layers.0")
     if transform == "awq":
-        stage = AWQTransform(AWQStage(type="awq"), family)
+        stage = AWQRun(AWQStage(type="awq"), torch.float32, family)
     else:
-        stage = SmoothQuantTransform(SmoothQuantStage(type="smoothquant"), family)
+        stage = SmoothQuantRun(SmoothQuantStage(type="smoothquant"), torch.float32, family)
     work = LayerWork(layer, "model.layers.0", linears, {name: QuantArgs(num_bits=4, group_size=16) for name in linears}, runner)
     observed = stage.observed_modules(work)
     assert observed  # the family's pairs are found in the layer

@@ -9,7 +9,7 @@ from llmc.core.errors import LlmcError
 from llmc.evals.loading import load_model
 from llmc.pipeline.quantize import run_quantize
 from llmc.pipeline.recipe import load_recipe
-from llmc.quant.awq import AWQStage, AWQTransform, search_clip
+from llmc.quant.awq import AWQRun, AWQStage, search_clip
 from llmc.quant.layer import LayerRunner, LayerWork, recording
 from llmc.quant.qtypes import QuantArgs, fake_quantize
 
@@ -36,7 +36,7 @@ def hidden_with_outliers(seq_len=16):
 
 def run_awq(layer, runner, hidden, stage: AWQStage, num_kv_heads: int):
     linears = layer_linears(layer, PREFIX)
-    awq = AWQTransform(stage, family_for(AutoConfig.for_model("llama")))
+    awq = AWQRun(stage, torch.float32, family_for(AutoConfig.for_model("llama")))
     work = LayerWork(layer, PREFIX, linears, {name: W4_G16 for name in linears}, runner)
     observed = awq.observed_modules(work)
     assert len(observed) == (4 if num_kv_heads == 4 else 3)  # v -> o only when v's outputs match o's inputs

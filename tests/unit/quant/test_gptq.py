@@ -7,11 +7,12 @@ from helpers import first_layer, write_recipe
 from transformers import AutoModelForCausalLM
 
 from llmc.calib.driver import layer_linears
+from llmc.checkpoints.families import family_for
 from llmc.core.errors import LlmcError
 from llmc.evals.loading import load_model
 from llmc.pipeline.quantize import run_quantize
 from llmc.pipeline.recipe import load_recipe
-from llmc.quant.gptq import GPTQQuantizer, GPTQStage, gptq_quantize
+from llmc.quant.gptq import GPTQRun, GPTQStage, gptq_quantize
 from llmc.quant.layer import LayerRunner, LayerWork, recording
 from llmc.quant.qtypes import QuantArgs, quantize_weight
 
@@ -110,7 +111,7 @@ def test_hessians_are_shared_by_linears_that_read_the_same_input(tiny_llama, com
     setup = first_layer(tiny_llama, num_samples=5, seq_len=16, seed=0)
     config, skeleton, layer, hidden = setup.config, setup.skeleton, setup.layer, setup.hidden
     runner = LayerRunner(skeleton, config, seq_len=16, batch_size=2, compute_dtype=compute_dtype)
-    stage = GPTQQuantizer(GPTQStage(type="gptq"), torch.float32)
+    stage = GPTQRun(GPTQStage(type="gptq"), torch.float32, family_for(config))
     work = LayerWork(layer, "model.layers.0", layer_linears(layer, "model.layers.0"), {}, runner)
     with recording(stage.observed_modules(work), stage.record):
         runner(layer, hidden)

@@ -11,7 +11,7 @@ from llmc.pipeline.quantize import run_quantize
 from llmc.pipeline.recipe import load_recipe
 from llmc.quant.layer import LayerRunner, LayerWork, recording
 from llmc.quant.qtypes import QuantArgs
-from llmc.quant.smoothquant import SmoothQuantStage, SmoothQuantTransform
+from llmc.quant.smoothquant import SmoothQuantRun, SmoothQuantStage
 
 W8 = QuantArgs(num_bits=8, strategy="channel")
 PREFIX = "model.layers.0"
@@ -35,7 +35,8 @@ def hidden_with_outliers():
 
 def smooth(layer, runner, hidden, alpha):
     linears = layer_linears(layer, PREFIX)
-    transform = SmoothQuantTransform(SmoothQuantStage(type="smoothquant", alpha=alpha), family_for(AutoConfig.for_model("llama")))
+    transform = SmoothQuantRun(SmoothQuantStage(type="smoothquant", alpha=alpha), torch.float32,
+                               family_for(AutoConfig.for_model("llama")))
     work = LayerWork(layer, PREFIX, linears, {name: W8 for name in linears}, runner)
     observed = transform.observed_modules(work)
     assert set(observed) == {"self_attn.q_proj", "mlp.gate_proj", "mlp.down_proj"}  # v -> o skipped: grouped KV heads

@@ -21,6 +21,7 @@ from llmc.quant.gptq import GPTQStage
 from llmc.quant.layer import LayerRunner, LayerWork, recording
 from llmc.quant.qtypes import QuantArgs, fake_quantize
 from llmc.quant.smoothquant import SmoothQuantStage
+from llmc.quant.stage import start_stage
 from llmc.runtime.engine.config import EngineConfig
 from llmc.runtime.layers.linear import Int4CpuLinear
 from llmc.runtime.layers.moe import SparseMoeBlock, moe_block
@@ -119,7 +120,7 @@ def test_every_expert_sees_every_token_and_gate_up_share_one_hessian(model_folde
     runner = LayerRunner(setup.skeleton, setup.config, seq_len=16, batch_size=2, compute_dtype=compute_dtype)
     linears = {name: linear for name, linear in decoder_linears(setup.skeleton, family).items() if name.startswith(f"{PREFIX}.")}
     assert f"{PREFIX}.{layout.router}" not in linears and f"{PREFIX}.{layout.router}" in layer_linears(setup.layer, PREFIX)
-    gptq = GPTQStage(type="gptq", scheme="W4A16", weights={"group_size": 32}).modifier(torch.float32, family)
+    gptq = start_stage(GPTQStage(type="gptq", scheme="W4A16", weights={"group_size": 32}), torch.float32, family)
     work = LayerWork(setup.layer, PREFIX, linears, {name: W4_G32 for name in linears}, runner)
     with recording(gptq.observed_modules(work), gptq.record):
         runner(setup.layer, setup.hidden)
@@ -140,7 +141,7 @@ def fold(stage, setup, plan_format: QuantArgs) -> list:
     runner = LayerRunner(setup.skeleton, setup.config, seq_len=16, batch_size=2)
     linears = {name: linear for name, linear in decoder_linears(setup.skeleton, family).items() if name.startswith(f"{PREFIX}.")}
     work = LayerWork(setup.layer, PREFIX, linears, {name: plan_format for name in linears}, runner)
-    transform = stage.modifier(torch.float32, family)
+    transform = start_stage(stage, torch.float32, family)
     with recording(transform.observed_modules(work), transform.record):
         runner(setup.layer, setup.hidden)
     pairs = scalable_pairs(family, work)
