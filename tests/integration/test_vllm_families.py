@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 import torch
 from helpers import build_tiny_model, write_recipe
-from test_vllm_compat import NEAR_TIE, VLLM_ENV, first_divergence, llmc_gap, venv_build, vllm_python  # noqa: F401 (fixtures)
 from transformers import AutoModelForCausalLM
+from vllm_comparison import NEAR_TIE, VLLM_ENV, first_divergence, llmc_gap
 
 from llmc.checkpoints.families import FAMILIES
 from llmc.pipeline.quantize import run_quantize
@@ -70,7 +70,7 @@ def artifacts(tmp_path_factory) -> dict[str, Path]:
 
 
 @pytest.fixture(scope="module")
-def vllm_tokens(artifacts, vllm_python, tmp_path_factory) -> dict[str, dict]:  # noqa: F811
+def vllm_tokens(artifacts, vllm_python, tmp_path_factory) -> dict[str, dict]:
     folder = tmp_path_factory.mktemp("vllm-families")
     request = {"artifacts": [str(path) for path in artifacts.values()], "prompts": PROMPTS, "max_tokens": MAX_TOKENS,
                "max_model_len": 256, "dtype": DTYPE}

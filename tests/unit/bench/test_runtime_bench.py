@@ -3,7 +3,7 @@ import subprocess
 import sys
 
 import pytest
-from helpers import CORPUS, write_recipe
+from helpers import CORPUS, llmc_in_process, write_recipe
 
 from llmc.pipeline.quantize import run_quantize
 from llmc.pipeline.recipe import load_recipe
@@ -37,6 +37,5 @@ def test_bench_in_process_with_cancellations_and_hf_baseline(tmp_path, tiny_llam
 
 
 def test_bench_reports_a_missing_dataset_cleanly(tmp_path):
-    run = subprocess.run([sys.executable, "-m", "llmc", "bench", str(tmp_path), "--dataset", str(tmp_path / "none.jsonl")],
-                         capture_output=True, text=True)
+    run = llmc_in_process("bench", str(tmp_path), "--dataset", str(tmp_path / "none.jsonl"))
     assert run.returncode == 2 and "error:" in run.stderr and "Traceback" not in run.stderr

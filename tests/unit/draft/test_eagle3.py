@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import llmc_process, write_recipe
+from helpers import llmc_in_process, write_recipe
 from safetensors.torch import load_file
 from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig
 
@@ -303,16 +303,15 @@ def draft_gate_recipe(tmp_path: Path, model: Path, calib_file: Path, threshold: 
 @pytest.mark.slow
 def test_the_gate_refuses_an_artifact_whose_draft_accepts_too_little(tmp_path, tiny_llama, calib_file, monkeypatch):
     monkeypatch.setenv("LLMC_HOME", str(tmp_path / "home"))
-    run = llmc_process("quantize", str(draft_gate_recipe(tmp_path, tiny_llama, calib_file, 4.5)))
+    run = llmc_in_process("quantize", str(draft_gate_recipe(tmp_path, tiny_llama, calib_file, 4.5)))
     assert run.returncode == 3, run.stderr  # a chain of 3 accepts at most 4 tokens a step
     assert "mean accepted length" in run.stderr and "< min_accepted_length 4.5" in run.stderr and "Traceback" not in run.stderr
     assert not (tmp_path / "out").exists() and not list(tmp_path.glob(".out.partial*"))
-    passed = llmc_process("quantize", str(draft_gate_recipe(tmp_path, tiny_llama, calib_file, 1.0)))
+    passed = llmc_in_process("quantize", str(draft_gate_recipe(tmp_path, tiny_llama, calib_file, 1.0)))
     assert passed.returncode == 0, passed.stderr
     assert (tmp_path / "out" / "draft" / "vllm" / "model.safetensors").is_file()
 
 
-@pytest.mark.slow
 def test_draft_gate_and_vllm_options_are_refused_where_they_cannot_hold(tmp_path, tiny_llama, trained, eagle3_folder, calib_file):
     medusa, _ = trained
     eval_file = tmp_path / "e.txt"
@@ -327,9 +326,9 @@ def test_draft_gate_and_vllm_options_are_refused_where_they_cannot_hold(tmp_path
          "--speculative-tree-nodes", "4"): "--vllm compares chains",
     }
     for options, message in refusals.items():
-        run = llmc_process("eval", str(tiny_llama), *options)
+        run = llmc_in_process("eval", str(tiny_llama), *options)
         assert run.returncode == 2 and message in run.stderr and "Traceback" not in run.stderr, (options, run.stderr)
     recipe = write_recipe(tmp_path / "r.yaml", tiny_llama, tmp_path / "out", "  - type: rtn\n    scheme: W4A16\n")
     recipe.write_text(recipe.read_text() + "eval:\n  gate: {min_accepted_length: 2}\n")
-    run = llmc_process("quantize", str(recipe))
+    run = llmc_in_process("quantize", str(recipe))
     assert run.returncode == 2 and "needs a draft section" in run.stderr

@@ -2,7 +2,7 @@
 import json
 
 import pytest
-from helpers import llmc_process, write_recipe
+from helpers import llmc_in_process, llmc_process, write_recipe
 
 STAGE = "  - type: rtn\n    scheme: W4A16\n    weights: {group_size: 32}\n"
 
@@ -44,7 +44,7 @@ def test_gate_passes_and_the_manifest_records_it(tmp_path, tiny_llama, eval_file
 @pytest.mark.slow
 def test_gate_failure_writes_no_artifact_and_keeps_the_report_beside(tmp_path, tiny_llama, eval_file):
     recipe = gate_recipe(tmp_path, tiny_llama, eval_file, "{max_perplexity_increase: 0.0001, max_kl: 100.0}")
-    run = llmc_process("quantize", str(recipe))
+    run = llmc_in_process("quantize", str(recipe))
     assert run.returncode == 3, run.stderr
     assert "gate failed" in run.stderr and "perplexity increase" in run.stderr and "> max_perplexity_increase 0.0001 (over by" in run.stderr
     assert "mean KL" not in run.stderr and "Traceback" not in run.stderr
@@ -57,14 +57,14 @@ def test_gate_failure_writes_no_artifact_and_keeps_the_report_beside(tmp_path, t
 @pytest.mark.slow
 def test_eval_gate_option_and_its_mistakes(tmp_path, tiny_llama, tiny_qwen2):
     common = ["eval", str(tiny_llama), str(tiny_llama), "--business", str(business_set(tmp_path / "set.jsonl"))]
-    held = llmc_process(*common, "--gate", "min_agreement=1", "--gate", "max_kl=0", "--out", str(tmp_path / "report"))
+    held = llmc_in_process(*common, "--gate", "min_agreement=1", "--gate", "max_kl=0", "--out", str(tmp_path / "report"))
     assert held.returncode == 0, held.stderr
     assert "100.0%" in held.stdout and (tmp_path / "report" / "business_by_tag.png").is_file()
-    failed = llmc_process("eval", str(tiny_llama), str(tiny_qwen2), "--business", str(tmp_path / "set.jsonl"), "--gate", "max_kl=0.001")
+    failed = llmc_in_process("eval", str(tiny_llama), str(tiny_qwen2), "--business", str(tmp_path / "set.jsonl"), "--gate", "max_kl=0.001")
     assert failed.returncode == 3 and f"{tiny_qwen2}: mean KL" in failed.stderr and "> max_kl 0.001" in failed.stderr
-    alone = llmc_process("eval", str(tiny_llama), "--business", str(tmp_path / "set.jsonl"), "--gate", "max_kl=0.1")
+    alone = llmc_in_process("eval", str(tiny_llama), "--business", str(tmp_path / "set.jsonl"), "--gate", "max_kl=0.1")
     assert alone.returncode == 2 and "at least two targets" in alone.stderr
-    unmeasured = llmc_process(*common, "--gate", "max_perplexity_increase=0.1")
+    unmeasured = llmc_in_process(*common, "--gate", "max_perplexity_increase=0.1")
     assert unmeasured.returncode == 2 and "needs eval.perplexity" in unmeasured.stderr
-    typo = llmc_process(*common, "--gate", "min_recovry=0.9")
+    typo = llmc_in_process(*common, "--gate", "min_recovry=0.9")
     assert typo.returncode == 2 and "gate.min_recovry" in typo.stderr and "Traceback" not in typo.stderr

@@ -3,7 +3,7 @@ import json
 import re
 
 import pytest
-from helpers import llmc_process, llmc_serve, write_recipe
+from helpers import llmc_in_process, llmc_process, llmc_serve, write_recipe
 from lm_eval import simple_evaluate
 
 from llmc.core.errors import LlmcError
@@ -62,7 +62,7 @@ def test_a_task_yaml_that_runs_code_is_refused_without_the_flag_and_runs_with_it
 
 def test_llmc_eval_refuses_task_code_before_loading_any_model(tmp_path):
     task = task_with_code(tmp_path)
-    run = llmc_process("eval", str(tmp_path / "no-model-needed"), "--tasks", str(task))
+    run = llmc_in_process("eval", str(tmp_path / "no-model-needed"), "--tasks", str(task))
     assert run.returncode != 0 and f"{task}, line 2: `!function helpers.first_two`" in run.stderr and "--allow-task-code" in run.stderr
     assert not (tmp_path / "helpers-imported").exists()
 

@@ -1,17 +1,29 @@
 """`llmc serve --engine vllm`: the `vllm serve` command line it hands over to, checked with a stand-in `vllm` that
 prints its arguments, and the errors when vLLM is missing or an option has no vLLM equivalent."""
+import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from helpers import llmc_in_process
 
 from llmc.core.errors import LlmcError
 from llmc.external import vllm_server
 
 
 def llmc_serve(*args: str) -> subprocess.CompletedProcess:
+    """`llmc serve ARGS` in its own process, which becomes vLLM's (exec)."""
     return subprocess.run([sys.executable, "-m", "llmc", "serve", *args], capture_output=True, text=True, timeout=120)
+
+
+@pytest.fixture
+def no_exec(monkeypatch):
+    """In process, an exec would replace pytest with vLLM: reaching it fails the test instead."""
+    def refuse(path, args):
+        raise AssertionError(f"exec {args}")
+
+    monkeypatch.setattr(os, "execv", refuse)
 
 
 @pytest.fixture
@@ -23,8 +35,8 @@ def fake_vllm(tmp_path) -> Path:
     return path
 
 
-def test_missing_vllm_is_one_clear_error():
-    run = llmc_serve("--engine", "vllm", "--vllm", "/nonexistent", "artifacts/x")
+def test_missing_vllm_is_one_clear_error(no_exec):
+    run = llmc_in_process("serve", "--engine", "vllm", "--vllm", "/nonexistent", "artifacts/x")
     assert run.returncode != 0
     assert run.stderr.startswith("error: vLLM not found: /nonexistent") and "Traceback" not in run.stderr
     assert "benchmarks/vllm_venv.sh" in run.stderr and "pip install vllm" in run.stderr
@@ -48,14 +60,15 @@ def test_defaults_are_llmc_serves(fake_vllm):
     assert run.stdout.splitlines() == ["serve", "artifacts/x", "--host", "127.0.0.1", "--port", "8000", "--served-model-name", "x"]
 
 
-def test_options_without_a_vllm_equivalent_are_refused(fake_vllm, tmp_path):
-    run = llmc_serve("--engine", "vllm", "--vllm", str(fake_vllm), "artifacts/x", "--max-waiting", "3", "--speculative", "off")
+def test_options_without_a_vllm_equivalent_are_refused(fake_vllm, tmp_path, no_exec):
+    run = llmc_in_process("serve", "--engine", "vllm", "--vllm", str(fake_vllm), "artifacts/x",
+                          "--max-waiting", "3", "--speculative", "off")
     assert run.returncode == 2 and not (tmp_path / "ran").exists()
     assert run.stderr.startswith("error: --speculative, --max-waiting: no vLLM equivalent for --engine vllm"), run.stderr
 
 
-def test_vllm_arguments_need_the_vllm_engine():
-    run = llmc_serve("artifacts/x", "--", "--tensor-parallel-size", "8")
+def test_vllm_arguments_need_the_vllm_engine(no_exec):
+    run = llmc_in_process("serve", "artifacts/x", "--", "--tensor-parallel-size", "8")
     assert run.returncode == 2 and run.stderr == "error: --tensor-parallel-size 8: only with --engine vllm\n"
 
 

@@ -1,7 +1,7 @@
 import json
 
 import pytest
-from helpers import llmc_process, write_recipe
+from helpers import llmc_in_process, llmc_process, write_recipe
 
 STAGE = "  - type: rtn\n    scheme: W4A16\n    weights: {group_size: 32}\n"
 
@@ -33,25 +33,23 @@ def test_quantize_inspect_eval(tmp_path, tiny_llama, calib_file, eval_file):
     assert table.returncode == 0 and "+0.00%" in table.stdout and "100.0%" not in table.stdout
 
 
-@pytest.mark.slow
 def test_bad_recipe_exits_nonzero_without_traceback_or_output(tmp_path, tiny_llama):
     recipe = write_recipe(tmp_path / "r.yaml", tiny_llama, tmp_path / "out", STAGE.replace("group_size", "gruop_size"))
-    run = llmc_process("quantize", str(recipe))
+    run = llmc_in_process("quantize", str(recipe))
     assert run.returncode == 2
     assert "stages.0.weights.gruop_size: unknown key" in run.stderr and "line 6" in run.stderr
     assert "Traceback" not in run.stderr
     assert not (tmp_path / "out").exists() and not list(tmp_path.glob(".out*"))
 
 
-@pytest.mark.slow
 def test_user_mistakes_are_one_line_errors(tmp_path):
-    missing = llmc_process("eval", "no-such-model-xyz", "--perplexity", "wikitext2")
+    missing = llmc_in_process("eval", "no-such-model-xyz", "--perplexity", "wikitext2")
     assert missing.returncode == 2 and "Traceback" not in missing.stderr
-    nothing = llmc_process("eval", "smollm2-135m")
+    nothing = llmc_in_process("eval", "smollm2-135m")
     assert nothing.returncode == 2 and "nothing to evaluate" in nothing.stderr
     bad_set = tmp_path / "set.jsonl"
     bad_set.write_text('{"prompt": "hi", "reference": "x", "metric": "exact"}\n{"prompt": "hi"}\n')
-    malformed = llmc_process("eval", "smollm2-135m", "--business", str(bad_set))
+    malformed = llmc_in_process("eval", "smollm2-135m", "--business", str(bad_set))
     assert malformed.returncode == 2 and "set.jsonl line 2: metric" in malformed.stderr and "Traceback" not in malformed.stderr
-    not_artifact = llmc_process("inspect", str(tmp_path))
+    not_artifact = llmc_in_process("inspect", str(tmp_path))
     assert not_artifact.returncode == 2 and "not an llmc artifact" in not_artifact.stderr

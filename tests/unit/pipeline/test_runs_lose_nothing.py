@@ -39,7 +39,7 @@ def finished_indices(staging) -> list[int]:
     return [layer["report"]["index"] for layer in json.loads((staging / JOURNAL).read_text())["finished"]]
 
 
-def test_a_full_disk_loses_no_finished_layer_and_resume_completes_the_artifact(tmp_path, four_layers, calib_file, # noqa: F811
+def test_a_full_disk_loses_no_finished_layer_and_resume_completes_the_artifact(tmp_path, four_layers, calib_file,
                                                                                monkeypatch, capfd):
     recipe = write_recipe(tmp_path / "r.yaml", four_layers, tmp_path / "out", RESUMABLE_STAGES["gptq-kv"], calib_file)
     reference = pipeline.run_quantize(load_recipe(recipe)).rename(tmp_path / "reference")
@@ -76,7 +76,7 @@ def test_a_full_disk_loses_no_finished_layer_and_resume_completes_the_artifact(t
         assert torch.equal(tensor, resumed[name]), name
 
 
-def test_ctrl_c_after_a_layer_keeps_the_work_until_discard_partial(tmp_path, four_layers, monkeypatch, capfd):  # noqa: F811
+def test_ctrl_c_after_a_layer_keeps_the_work_until_discard_partial(tmp_path, four_layers, monkeypatch, capfd):
     recipe = write_recipe(tmp_path / "r.yaml", four_layers, tmp_path / "out", RTN_W4A16)
 
     def ctrl_c(*args, **kwargs):
@@ -117,7 +117,7 @@ def counted(monkeypatch):
     return calls
 
 
-def test_resume_after_a_stop_in_the_evals_runs_the_evals_only(tmp_path, four_layers, counted):  # noqa: F811
+def test_resume_after_a_stop_in_the_evals_runs_the_evals_only(tmp_path, four_layers, counted):
     recipe = write_recipe(tmp_path / "r.yaml", four_layers, tmp_path / "out", RTN_W4A16)
     counted["stop_in_evals"] = True
     with pytest.raises(KeyboardInterrupt):
@@ -130,7 +130,7 @@ def test_resume_after_a_stop_in_the_evals_runs_the_evals_only(tmp_path, four_lay
     assert not kept_staging(tmp_path) and JOURNAL not in manifest["files"] and not (artifact / JOURNAL).exists()
 
 
-def test_resume_after_a_stop_in_the_draft_stage_restarts_the_draft_only(tmp_path, four_layers, calib_file, counted,  # noqa: F811
+def test_resume_after_a_stop_in_the_draft_stage_restarts_the_draft_only(tmp_path, four_layers, calib_file, counted,
                                                                         monkeypatch):
     recipe = write_recipe(tmp_path / "r.yaml", four_layers, tmp_path / "out", RTN_W4A16)
     recipe.write_text(recipe.read_text() + f"draft:\n  method: medusa\n  prompts: [{calib_file}]\n")

@@ -8,7 +8,7 @@ import jsonschema
 import openai
 import pytest
 import torch
-from helpers import CORPUS, in_process_server, llmc_serve, wait_until, write_recipe
+from helpers import API_KEY, CORPUS, in_process_server, llmc_serve, post_v1, server_idle, wait_until, write_recipe
 
 from llmc.pipeline.quantize import run_quantize
 from llmc.pipeline.recipe import load_recipe
@@ -17,7 +17,6 @@ from llmc.runtime.llm import LLM
 from llmc.runtime.sampling_params import SamplingParams
 from llmc.runtime.serving.engine_process import EngineProcess
 
-API_KEY = "test-key"
 PROMPT = " ".join(CORPUS.split()[:12])
 MAX_NUM_SEQS, MAX_WAITING = 4, 4
 
@@ -38,11 +37,6 @@ def server(artifact):
     with in_process_server(engine, API_KEY) as running:
         running.llm = LLM(str(artifact), config)
         yield running
-
-
-def idle(server) -> bool:
-    stats = server.engine.stats()
-    return server.engine.num_requests == stats.num_running == stats.num_waiting == stats.num_used_blocks == 0
 
 
 def test_completions_match_offline_generation_and_stream_the_same_text(server, artifact):
@@ -97,7 +91,7 @@ def test_n_choices_differ_repeat_with_their_seeds_and_stream_alike(server):
     assert [choice.delta.role for choice in chunks[0].choices] == ["assistant", "assistant"]
     assert ["".join(choice.delta.content or "" for chunk in chunks for choice in chunk.choices if choice.index == index)
             for index in (0, 1)] == answers
-    wait_until(lambda: idle(server))
+    wait_until(lambda: server_idle(server))
 
 
 def test_echo_returns_the_prompt_with_its_logprobs_as_lm_eval_scores_them(server):
@@ -120,7 +114,7 @@ def test_echo_returns_the_prompt_with_its_logprobs_as_lm_eval_scores_them(server
     refused = httpx.post(f"{server.base}/v1/completions", json={"prompt": PROMPT, "max_tokens": 0},
                          headers={"Authorization": f"Bearer {API_KEY}"})
     assert refused.status_code == 400 and "max_tokens 0" in refused.json()["error"]["message"]
-    wait_until(lambda: idle(server))
+    wait_until(lambda: server_idle(server))
 
 
 def test_response_format_constrains_both_endpoints_and_a_bad_schema_is_a_400(server):
@@ -139,12 +133,12 @@ def test_response_format_constrains_both_endpoints_and_a_bad_schema_is_a_400(ser
                                                      temperature=0, max_tokens=200, stream=True)
     text = "".join(chunk.choices[0].delta.content or "" for chunk in streamed if chunk.choices)
     assert text.startswith("{")
-    bad = post(server, "chat/completions", {"messages": messages, "response_format": {"type": "json_schema", "json_schema": {
+    bad = post_v1(server, "chat/completions", {"messages": messages, "response_format": {"type": "json_schema", "json_schema": {
         "name": "bad", "schema": {"type": "no-such-type"}}}})
     assert bad.status_code == 400 and bad.json()["error"]["message"].startswith("response_format: cannot be compiled")
-    missing = post(server, "chat/completions", {"messages": messages, "response_format": {"type": "json_schema"}})
+    missing = post_v1(server, "chat/completions", {"messages": messages, "response_format": {"type": "json_schema"}})
     assert missing.status_code == 400 and "json_schema is required" in missing.json()["error"]["message"]
-    wait_until(lambda: idle(server))
+    wait_until(lambda: server_idle(server))
 
 
 def test_models_health_and_metrics(server):
@@ -178,31 +172,27 @@ def test_bad_requests_get_openai_errors_and_the_server_keeps_serving(server):
 
 
 
-def post(server, path: str, body: dict) -> httpx.Response:
-    return httpx.post(f"{server.base}/v1/{path}", json=body, headers={"Authorization": f"Bearer {API_KEY}"}, timeout=60)
-
-
 @pytest.mark.parametrize("field, value", [("functions", [{"name": "f"}]),
                                           ("presence_penalty", 0.3), ("frequency_penalty", 0.5),
                                           ("logit_bias", {"5": 10}), ("best_of", 3)])
 def test_fields_llmc_does_not_implement_are_refused_by_name(server, field, value):
     chat = field == "functions"
     body = {"model": "tiny", "max_tokens": 2} | ({"messages": [{"role": "user", "content": PROMPT}]} if chat else {"prompt": PROMPT})
-    response = post(server, "chat/completions" if chat else "completions", body | {field: value})
+    response = post_v1(server, "chat/completions" if chat else "completions", body | {field: value})
     assert response.status_code == 400 and response.json()["error"]["message"] == f"{field} is not supported by llmc serve"
     neutral = {"functions": [], "presence_penalty": 0, "frequency_penalty": 0, "logit_bias": {}, "best_of": 1}[field]
-    assert post(server, "chat/completions" if chat else "completions", body | {field: neutral}).status_code == 200
+    assert post_v1(server, "chat/completions" if chat else "completions", body | {field: neutral}).status_code == 200
 
 
 def test_unknown_fields_and_max_tokens_past_the_context_are_refused(server):
-    response = post(server, "completions", {"model": "tiny", "prompt": PROMPT, "max_tokens": 2, "temprature": 0})
+    response = post_v1(server, "completions", {"model": "tiny", "prompt": PROMPT, "max_tokens": 2, "temprature": 0})
     assert response.status_code == 400 and response.json()["error"]["message"].startswith("temprature: unknown field")
-    response = post(server, "completions", {"model": "tiny", "prompt": PROMPT, "max_tokens": 1_000_000_000})
+    response = post_v1(server, "completions", {"model": "tiny", "prompt": PROMPT, "max_tokens": 1_000_000_000})
     assert response.status_code == 400 and "maximum context length is 512 tokens" in response.json()["error"]["message"]
-    response = post(server, "chat/completions", {"model": "tiny", "messages": [{"role": "user", "content": PROMPT}],
+    response = post_v1(server, "chat/completions", {"model": "tiny", "messages": [{"role": "user", "content": PROMPT}],
                                                  "max_completion_tokens": 10_000})
     assert response.status_code == 400 and "lower max_tokens to at most" in response.json()["error"]["message"]
-    assert idle(server)
+    assert server_idle(server)
 
 async def open_stream(client: httpx.AsyncClient, base: str, max_tokens: int = 400):
     request = client.build_request(
@@ -232,7 +222,7 @@ def test_full_queue_answers_503_and_disconnects_free_blocks(server):
             for response, _ in streams:
                 await response.aclose()
     asyncio.run(scenario())
-    wait_until(lambda: idle(server))
+    wait_until(lambda: server_idle(server))
     # the streaming ones were aborted; a queued one may be dropped before it ever reached the engine
     assert num_aborted(server) >= aborted_before + MAX_NUM_SEQS
 
@@ -248,7 +238,7 @@ def test_non_streaming_client_that_gives_up_is_aborted(server):
     finally:
         os.kill(server.engine.pid, signal.SIGCONT)
     wait_until(lambda: num_aborted(server) == aborted_before + 1)
-    assert idle(server)
+    assert server_idle(server)
 
 
 def test_soak_with_cancellations_leaks_no_blocks(server):
@@ -277,7 +267,7 @@ def test_soak_with_cancellations_leaks_no_blocks(server):
     asyncio.run(scenario())
     assert len(results) == num_requests and results.count("cancelled") == num_requests // 5
     assert set(results) <= {"cancelled", "stop", "length"}
-    wait_until(lambda: idle(server))
+    wait_until(lambda: server_idle(server))
     assert num_aborted(server) > aborted_before
 
 
@@ -325,4 +315,4 @@ def test_bench_against_the_url_with_poisson_arrivals(server):
     results = asyncio.run(bench_url(server.base, "tiny", API_KEY, prompts, lengths, **load))
     assert results["completed"] + results["cancelled"] == 6 and results["cancelled"] > 0
     assert results["total_output_tokens"] >= 8 * results["completed"] and results["tpot"]["p50_ms"] > 0
-    wait_until(lambda: idle(server))
+    wait_until(lambda: server_idle(server))

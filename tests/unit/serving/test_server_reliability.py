@@ -11,7 +11,7 @@ import time
 import httpx
 import pytest
 import torch
-from helpers import CORPUS, build_tiny_model, in_process_server, wait_until
+from helpers import API_KEY, CORPUS, build_tiny_model, in_process_server, wait_until
 
 from llmc.runtime.engine.config import EngineConfig
 from llmc.runtime.llm import LLM
@@ -19,7 +19,6 @@ from llmc.runtime.sampling_params import SamplingParams
 from llmc.runtime.serving.async_engine import AsyncLLMEngine
 from llmc.runtime.serving.engine_process import EngineProcess
 
-API_KEY = "test-key"
 HEADERS = {"Authorization": f"Bearer {API_KEY}"}
 PROMPT = " ".join(CORPUS.split()[:12])
 LONG_PROMPT_TOKENS = 25_000  # as msgpack: over 64 KiB, Linux's pipe buffer

@@ -5,8 +5,7 @@ import json
 import jsonschema
 import pytest
 import torch
-from helpers import build_tiny_model, in_process_server, wait_until
-from test_runtime_server import API_KEY, idle, post
+from helpers import API_KEY, build_tiny_model, in_process_server, post_v1, server_idle, wait_until
 from transformers import AutoTokenizer
 
 from llmc.runtime.engine.config import EngineConfig
@@ -68,7 +67,7 @@ def test_a_forced_tool_call_parses_and_validates_whole_and_streamed(server, tool
     whole = server.client.chat.completions.create(**args, temperature=0)
     assert [(c.function.name, c.function.arguments) for c in whole.choices[0].message.tool_calls] == \
         [(c.function.name, c.function.arguments) for c in streamed]
-    wait_until(lambda: idle(server))
+    wait_until(lambda: server_idle(server))
 
 
 def tool_matcher(tokenizer, tool_choice, parallel_tool_calls: bool):
@@ -128,7 +127,7 @@ def test_sampled_forced_calls_always_end_the_choice_with_tool_calls(server, tool
         for choice in response.choices:
             assert choice.finish_reason == "tool_calls" and not choice.message.content, choice
             assert_valid_calls(choice.message.tool_calls)
-    wait_until(lambda: idle(server))
+    wait_until(lambda: server_idle(server))
 
 
 def test_auto_and_none_and_a_conversation_with_tool_results(server):
@@ -154,7 +153,7 @@ def test_bad_tool_requests_are_400s_naming_the_field(server):
              ({"tools": TOOLS, "response_format": {"type": "json_object"}}, "response_format: cannot be combined with tools"),
              ({"tools": [{"type": "function", "function": {"name": "bad name!"}}]}, "tools.0.function.name")]
     for extra, message in cases:
-        response = post(server, "chat/completions", body | extra)
+        response = post_v1(server, "chat/completions", body | extra)
         assert response.status_code == 400 and message in response.json()["error"]["message"], response.text
 
 
