@@ -1,5 +1,5 @@
 """The response bodies of the generation endpoints as the OpenAPI schema documents them (responses.py builds them as
-dicts; tests/test_fuzz_server.py holds every response the fuzzer gets to these schemas)."""
+dicts; tests/integration/test_fuzz_server.py holds every response the fuzzer gets to these schemas)."""
 from typing import Literal
 
 from pydantic import BaseModel
