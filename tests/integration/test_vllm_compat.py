@@ -12,7 +12,6 @@ tokens on 6 of 16 of calib_data/draft_prompts.jsonl's first prompts for W8A8, 3 
 about whether vLLM reads the artifact as llmc wrote it; a misread format diverges from the first token."""
 import json
 import os
-import re
 import signal
 import subprocess
 import sys
@@ -23,7 +22,18 @@ from pathlib import Path
 import pytest
 import torch
 from helpers import smollm2_available
-from vllm_comparison import MAX_MODEL_LEN, NEAR_TIE, VLLM_ENV, VLLM_VENV, first_divergence, llmc_gap
+from vllm_comparison import (
+    AMX,
+    AVX512,
+    MAX_MODEL_LEN,
+    MISSING_KERNEL,
+    NEAR_TIE,
+    VLLM_ENV,
+    VLLM_VENV,
+    VllmKernelMissing,
+    first_divergence,
+    llmc_gap,
+)
 
 from llmc.external.server_process import free_port
 from llmc.runtime.engine.config import native_bfloat16
@@ -50,13 +60,6 @@ DTYPE = "bfloat16" if native_bfloat16("cpu") else "float32"
 MIN_IDENTICAL = 3 if DTYPE == "float32" else 2
 
 
-class VllmKernelMissing(Exception):
-    """vLLM's CPU build has no kernel for the artifact's format (a limit of vLLM, not of the artifact)."""
-
-
-# vLLM picks the AVX-512 build of its C++ ops (vllm/_C or _C_AVX512) by this same torch check, else _C_AVX2
-AVX512 = torch.cpu._is_avx512_supported()
-AMX = torch.cpu._is_amx_tile_supported()
 XFAILS = {
     "W4A16": pytest.mark.xfail(
         not AVX512 or AMX, raises=AssertionError if AVX512 else VllmKernelMissing, strict=True,
@@ -72,7 +75,6 @@ XFAILS = {
                "uint4/uint4b8 only and Dynamic4bit int4 only, so loading stops at 'Failed to find a kernel that can implement "
                "the WNA16 linear layer'; the artifact is the standard pack-quantized W8A16 that vLLM's GPU kernels read"),
 }
-MISSING_KERNEL = re.compile(r"has no attribute 'cpu_gemm_wna16'|Failed to find a kernel that can implement the WNA16 linear layer")
 
 
 @pytest.fixture(scope="module")

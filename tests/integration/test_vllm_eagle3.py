@@ -5,6 +5,7 @@ ids, checks its greedy output equals vLLM's own plain decoding, and reads vLLM's
 beside llmc's runtime's on the same head and chain."""
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -13,7 +14,7 @@ import pytest
 import torch
 from helpers import smollm2_available
 from transformers import AutoModelForCausalLM, AutoTokenizer, Qwen2Config
-from vllm_comparison import VLLM_VENV
+from vllm_comparison import MISSING_KERNEL, NO_INT4_WITHOUT_AVX512, VLLM_VENV, VllmKernelMissing
 
 from llmc.checkpoints.spec import resolve_model
 
@@ -43,6 +44,9 @@ def served_by_both_engines(artifact: Path, prompts: Path, home: Path) -> dict:
     assert (artifact / "draft" / "vllm" / "config.json").is_file()
     run = llmc("eval", str(artifact), "--speculative", "auto", "--prompts", str(prompts), "--num-prompts", str(NUM_PROMPTS),
                "--max-tokens", str(MAX_TOKENS), "--vllm", str(VLLM_VENV), "--json", home=home)
+    log = re.search(r"\(log (\S+)\)", run.stderr)
+    if run.returncode and log and Path(log.group(1)).is_file() and MISSING_KERNEL.search(Path(log.group(1)).read_text()):
+        raise VllmKernelMissing(run.stderr[-1000:])
     assert run.returncode == 0, run.stderr[-4000:]
     result = json.loads(run.stdout)
     theirs = result["vllm"]
@@ -67,6 +71,7 @@ def eagle3_artifact(venv_build, tmp_path_factory) -> Path:  # the venv builds me
 
 
 @NEEDS_SMOLLM2
+@NO_INT4_WITHOUT_AVX512
 def test_vllm_serves_the_eagle3_draft_as_written(eagle3_artifact, vllm_python, tmp_path):
     result = served_by_both_engines(eagle3_artifact, PROMPTS, tmp_path)
     theirs = result["vllm"]
@@ -96,6 +101,7 @@ def smollm2_as_qwen2(folder: Path) -> Path:
 
 
 @NEEDS_SMOLLM2
+@NO_INT4_WITHOUT_AVX512
 def test_vllm_serves_an_eagle3_draft_trained_on_a_qwen2_target(venv_build, vllm_python, tmp_path):
     """Beyond Llama: vLLM keeps the same aux layers' features from its own Qwen2 (and so Qwen3) model as llmc's runtime
     from its one model definition, so the head trained on llmc's reads the same there."""

@@ -13,7 +13,7 @@ import pytest
 import torch
 from helpers import build_tiny_model, write_recipe
 from transformers import AutoModelForCausalLM
-from vllm_comparison import NEAR_TIE, VLLM_ENV, first_divergence, llmc_gap
+from vllm_comparison import MISSING_KERNEL, NEAR_TIE, NO_INT4_WITHOUT_AVX512, VLLM_ENV, VllmKernelMissing, first_divergence, llmc_gap
 
 from llmc.checkpoints.families import FAMILIES
 from llmc.pipeline.quantize import run_quantize
@@ -84,12 +84,14 @@ def vllm_tokens(artifacts, vllm_python, tmp_path_factory) -> dict[str, dict]:
     return {Path(result["artifact"]).parent.name: result for result in results}
 
 
-@pytest.mark.parametrize("family", [pytest.param(family, marks=NO_CPU_MOE if family in ("mixtral", "qwen3_moe") else ())
+@pytest.mark.parametrize("family", [pytest.param(family, marks=NO_CPU_MOE if family in ("mixtral", "qwen3_moe") else NO_INT4_WITHOUT_AVX512)
                                     for family in FAMILY_CONFIGS])
 def test_vllm_loads_the_artifact_and_agrees_on_greedy_tokens(family, artifacts, vllm_tokens):
     theirs = vllm_tokens[artifacts[family].parent.name]
     if MOE_KERNEL_MISSING in theirs.get("error", ""):
         raise VllmMoeKernelMissing(theirs["error"])
+    if MISSING_KERNEL.search(theirs.get("error", "")):
+        raise VllmKernelMissing(theirs["error"])
     assert "error" not in theirs, f"vLLM could not run llmc's {family} artifact: {theirs.get('error')}"
     engine = LLM(str(artifacts[family]), EngineConfig(dtype=getattr(torch, DTYPE), max_model_len=256, kv_cache_gib=0.1))
     ours = [output["token_ids"] for output in engine.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=MAX_TOKENS,
