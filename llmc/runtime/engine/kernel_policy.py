@@ -7,9 +7,9 @@ import torch
 
 from llmc.runtime.engine.config import EngineConfig
 from llmc.runtime.layers import cpu_attention, cpu_elementwise, cpu_int8_gemm, cpu_quantized_mm
-from llmc.runtime.layers.attention import AttentionBackend, ReferenceAttention
+from llmc.runtime.layers.attention import REFERENCE_ATTENTION, AttentionBackend
 from llmc.runtime.layers.cpp_kernel import CppKernel, build_concurrently
-from llmc.runtime.layers.cpu_attention import CppAttention
+from llmc.runtime.layers.cpu_attention import CPP_ATTENTION
 from llmc.runtime.layers.int4_amx import amx_available
 from llmc.runtime.layers.linear import Int4CpuLinear
 from llmc.runtime.models.architecture import Architecture
@@ -42,12 +42,12 @@ def attention_backend(arch: Architecture, kv_dtype: torch.dtype, config: EngineC
     kernel does not build; everything else on the torch reference, whose buckets of decode rows are worked out once a
     step."""
     if config.device.startswith("cuda") and arch.plain_attention:
-        from llmc.runtime.layers.triton_attention import TritonAttention  # imports Triton: GPU machines only
+        from llmc.runtime.layers.triton_attention import TRITON_ATTENTION  # imports Triton: GPU machines only
 
-        return TritonAttention()
+        return TRITON_ATTENTION
     if config.cpu_decode_kernel and config.device == "cpu" and kv_dtype == config.dtype and cpu_attention.compiled_kernel() is not None:
-        return CppAttention()
-    return ReferenceAttention()
+        return CPP_ATTENTION
+    return REFERENCE_ATTENTION
 
 
 def uses_amx(config: EngineConfig) -> bool:

@@ -12,7 +12,7 @@ from llmc.runtime.engine.cuda_graphs import DecodeGraphs
 from llmc.runtime.engine.grammar import masked_logits
 from llmc.runtime.engine.kernel_policy import amx_int4, attention_backend, build_cpu_kernels, uses_amx
 from llmc.runtime.engine.sequence import Sequence
-from llmc.runtime.layers.attention import AttentionMetadata, DecodeRows, padded_length
+from llmc.runtime.layers.attention import AttentionMetadata, DecodeRows, decode_buckets, padded_length
 from llmc.runtime.layers.sampler import SampledToken, sample, token_logprobs
 from llmc.runtime.models.architecture import Architecture, architecture_of
 from llmc.runtime.models.llama import LlamaForCausalLM, aux_layer_ids
@@ -120,9 +120,9 @@ class ModelRunner:
         )
         if any(len(seq.draft) for seq in seqs):
             metadata.decode_rows = self._decode_rows(list(dict.fromkeys(group_seqs[:num_decodes])))
-        elif num_decodes:
-            metadata.decode_rows = self.attention.step_decode_rows(metadata.block_tables[:num_decodes],
-                                                                   metadata.context_lens[:num_decodes], self.block_size)
+        elif num_decodes and self.attention.prepares_decode_rows:
+            metadata.decode_rows = decode_buckets(metadata.block_tables[:num_decodes], metadata.context_lens[:num_decodes],
+                                                  self.block_size)
         return tensor(input_ids), tensor(positions), metadata
 
     def _decode_rows(self, seqs: list[Sequence]) -> list[DecodeRows]:

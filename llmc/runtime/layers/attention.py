@@ -3,8 +3,8 @@ FP8 KV cache (an artifact's kv_cache_scheme), K and V are stored as float8 E4M3 
 per-KV-head scale and multiplied back when read. Decode rows are attended by the AttentionBackend the model is built
 with (the torch reference here, cpu_attention.py's C++ kernel, triton_attention.py's Triton kernel); prefill chunks
 by SDPA."""
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Protocol
 
 import torch
 import torch.nn.functional as F
@@ -179,48 +179,22 @@ def prefill_attention_reference(
     return out[0].transpose(0, 1)
 
 
-class AttentionBackend(Protocol):
-    """How decode rows read the paged cache; every backend computes a row's result from that row alone."""
+@dataclass(frozen=True, slots=True)
+class AttentionBackend:
+    """How decode rows read the paged cache; every backend computes a row's result from that row alone.
+    decode: one query per sequence, over its keys by its block table (decode_attention_reference's contract);
+    attend_rows: rows over their own key slots (draft trees), in the arithmetic of decode, so a draft row gets
+    decoding's bits (attend_rows' contract); prepares_decode_rows: whether the runner buckets a step's plain decode
+    rows once for every layer (AttentionMetadata.decode_rows), where the kernel does not walk the block tables itself."""
 
-    def decode(
-        self, query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
-        context_lens: torch.Tensor, scale: float, k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
-        shape: ScoreShape = PLAIN,
-    ) -> torch.Tensor:
-        """One query per sequence, over its keys by its block table (decode_attention_reference's contract)."""
-        ...
-
-    def attend_rows(
-        self, query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, buckets: list[DecodeRows], scale: float,
-        k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None, shape: ScoreShape = PLAIN,
-    ) -> torch.Tensor:
-        """Rows over their own key slots (draft trees), in the arithmetic of decode: a draft row gets decoding's bits."""
-        ...
-
-    def step_decode_rows(self, block_tables: torch.Tensor, context_lens: torch.Tensor, block_size: int) -> list[DecodeRows] | None:
-        """A step's plain decode rows prepared once for every layer (AttentionMetadata.decode_rows, read by attend_rows);
-        None: each layer calls decode."""
-        ...
+    name: str
+    decode: Callable[..., torch.Tensor]
+    attend_rows: Callable[..., torch.Tensor]
+    prepares_decode_rows: bool
 
 
-class ReferenceAttention:
-    """The torch reference: decode rows bucketed by padded length, worked out once a step rather than in every layer."""
-
-    def decode(
-        self, query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
-        context_lens: torch.Tensor, scale: float, k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
-        shape: ScoreShape = PLAIN,
-    ) -> torch.Tensor:
-        return decode_attention_reference(query, k_cache, v_cache, block_tables, context_lens, scale, k_scale, v_scale, shape)
-
-    def attend_rows(
-        self, query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, buckets: list[DecodeRows], scale: float,
-        k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None, shape: ScoreShape = PLAIN,
-    ) -> torch.Tensor:
-        return attend_rows(query, k_cache, v_cache, buckets, scale, k_scale, v_scale, shape)
-
-    def step_decode_rows(self, block_tables: torch.Tensor, context_lens: torch.Tensor, block_size: int) -> list[DecodeRows] | None:
-        return decode_buckets(block_tables, context_lens, block_size)
+# the torch reference: decode rows bucketed by padded length, worked out once a step rather than in every layer
+REFERENCE_ATTENTION = AttentionBackend("reference", decode_attention_reference, attend_rows, prepares_decode_rows=True)
 
 
 @dataclass(frozen=True, slots=True)

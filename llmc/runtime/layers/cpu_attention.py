@@ -10,7 +10,7 @@ torch's extension folder, TORCH_EXTENSIONS_DIR); where that fails, decoding keep
 (attention.decode_attention_reference)."""
 import torch
 
-from llmc.runtime.layers.attention import PLAIN, DecodeRows, ScoreShape
+from llmc.runtime.layers.attention import PLAIN, AttentionBackend, DecodeRows, ScoreShape
 from llmc.runtime.layers.cpp_kernel import WIDEN16, CppKernel
 
 SOURCE = WIDEN16 + r"""
@@ -237,22 +237,6 @@ def attend_rows_cpu(
     return out
 
 
-class CppAttention:
-    """The AttentionBackend of caches in the compute dtype on the CPU, where the kernel builds: decode rows and draft rows
-    on the C++ kernel, which walks the block tables itself, so nothing is prepared per step."""
-
-    def decode(
-        self, query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
-        context_lens: torch.Tensor, scale: float, k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
-        shape: ScoreShape = PLAIN,
-    ) -> torch.Tensor:
-        return decode_attention_cpu(query, k_cache, v_cache, block_tables, context_lens, scale, k_scale, v_scale, shape)
-
-    def attend_rows(
-        self, query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, buckets: list[DecodeRows], scale: float,
-        k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None, shape: ScoreShape = PLAIN,
-    ) -> torch.Tensor:
-        return attend_rows_cpu(query, k_cache, v_cache, buckets, scale, k_scale, v_scale, shape)
-
-    def step_decode_rows(self, block_tables: torch.Tensor, context_lens: torch.Tensor, block_size: int) -> list[DecodeRows] | None:
-        return None
+# caches in the compute dtype on the CPU, where the kernel builds: decode rows and draft rows on the C++ kernel, which
+# walks the block tables itself, so nothing is prepared per step
+CPP_ATTENTION = AttentionBackend("cpp", decode_attention_cpu, attend_rows_cpu, prepares_decode_rows=False)

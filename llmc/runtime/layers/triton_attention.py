@@ -6,7 +6,7 @@ import torch
 import triton
 import triton.language as tl
 
-from llmc.runtime.layers.attention import PLAIN, DecodeRows, ReferenceAttention, ScoreShape
+from llmc.runtime.layers.attention import PLAIN, AttentionBackend, ScoreShape, attend_rows
 
 
 @triton.jit
@@ -72,16 +72,6 @@ def decode_attention_triton(
     return out
 
 
-class TritonAttention(ReferenceAttention):
-    """The AttentionBackend of CUDA models whose scores are plain (no window, no soft cap): decode rows on the Triton
-    kernel, which walks the block tables itself; draft rows on the reference."""
-
-    def decode(
-        self, query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
-        context_lens: torch.Tensor, scale: float, k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
-        shape: ScoreShape = PLAIN,
-    ) -> torch.Tensor:
-        return decode_attention_triton(query, k_cache, v_cache, block_tables, context_lens, scale, k_scale, v_scale, shape)
-
-    def step_decode_rows(self, block_tables: torch.Tensor, context_lens: torch.Tensor, block_size: int) -> list[DecodeRows] | None:
-        return None
+# CUDA models whose scores are plain (no window, no soft cap): decode rows on the Triton kernel, which walks the block
+# tables itself; draft rows on the reference
+TRITON_ATTENTION = AttentionBackend("triton", decode_attention_triton, attend_rows, prepares_decode_rows=False)

@@ -7,7 +7,7 @@ from llmc.evals.loading import load_model
 from llmc.pipeline.quantize import run_quantize
 from llmc.pipeline.recipe import load_recipe
 from llmc.runtime.engine.config import EngineConfig
-from llmc.runtime.layers.cpu_attention import CppAttention, compiled_kernel
+from llmc.runtime.layers.cpu_attention import CPP_ATTENTION, compiled_kernel
 from llmc.runtime.layers.linear import Int4CpuLinear
 from llmc.runtime.llm import LLM
 from llmc.runtime.sampling_params import SamplingParams
@@ -56,7 +56,7 @@ def test_greedy_equals_transformers_with_staggered_arrivals(artifact, reference,
     if cpu_decode_kernel and compiled_kernel() is None:
         pytest.skip("no C++ toolchain: the engine decodes on the reference")
     llm = engine(artifact, cpu_decode_kernel=cpu_decode_kernel)
-    assert isinstance(llm.runner.attention, CppAttention) == cpu_decode_kernel
+    assert (llm.runner.attention is CPP_ATTENTION) == cpu_decode_kernel
     assert run_staggered(llm, PROMPTS, GREEDY) == reference
     assert_no_blocks_in_use(llm)
 
