@@ -82,7 +82,7 @@ class LayerwiseQuantization:
 
 def build_skeleton(config) -> nn.Module:
     """The model with every parameter on the meta device: structure only, no memory. Sparse MoE blocks hold their
-    experts as Linears under the checkpoint's names (models/moe.py)."""
+    experts as Linears under the checkpoint's names (checkpoints/calibration_moe.py)."""
     from transformers import AutoModelForCausalLM
 
     config = copy.deepcopy(config)

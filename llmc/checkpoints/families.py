@@ -24,7 +24,7 @@ class ScalingPair:
 class MoeLayout:
     """A sparse mixture-of-experts block as checkpoints (and vLLM) name it: the router `<block>.gate` and, per expert
     e, three 2-D Linears `<block>.experts.<e>.<gate|up|down>`. transformers 5 fuses the experts into 3-D parameters
-    in memory; the calibration skeleton puts these Linears back (models/moe.py). Config attributes by name."""
+    in memory; the calibration skeleton puts these Linears back (checkpoints/calibration_moe.py). Config attributes by name."""
 
     block: str  # under the decoder layer: block_sparse_moe (Mixtral), mlp (Qwen3-MoE)
     gate: str
