@@ -135,9 +135,10 @@ def artifact_tensors(artifact: Path) -> dict[str, torch.Tensor]:
     return {name: tensor for shard in sorted(artifact.glob("*.safetensors")) for name, tensor in load_file(shard).items()}
 
 
-def llmc_process(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess:
+def llmc_process(*args: str, cwd: Path | None = None, env: dict[str, str] | None = None,
+                 timeout: float | None = None) -> subprocess.CompletedProcess:
     """`python -m llmc ARGS` in its own process, output captured as text."""
-    return subprocess.run([sys.executable, "-m", "llmc", *args], capture_output=True, text=True, cwd=cwd)
+    return subprocess.run([sys.executable, "-m", "llmc", *args], capture_output=True, text=True, cwd=cwd, env=env, timeout=timeout)
 
 
 def llmc_in_process(*args: str) -> subprocess.CompletedProcess:

@@ -7,12 +7,11 @@ import json
 import os
 import re
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
-from helpers import smollm2_available
+from helpers import llmc_process, smollm2_available
 from transformers import AutoModelForCausalLM, AutoTokenizer, Qwen2Config
 from vllm_comparison import MISSING_KERNEL, NO_INT4_WITHOUT_AVX512, VLLM_VENV, VllmKernelMissing
 
@@ -27,8 +26,7 @@ MAX_TOKENS = 48
 
 
 def llmc(*args: str, home: Path) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "llmc", *args], capture_output=True, text=True, cwd=ROOT,
-                          env=os.environ | {"LLMC_HOME": str(home), "HF_HUB_OFFLINE": "1"})
+    return llmc_process(*args, cwd=ROOT, env=os.environ | {"LLMC_HOME": str(home), "HF_HUB_OFFLINE": "1"})
 
 
 def train_eagle3(artifact: Path, prompts: Path, home: Path) -> None:

@@ -2,19 +2,18 @@
 prints its arguments, and the errors when vLLM is missing or an option has no vLLM equivalent."""
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
-from helpers import llmc_in_process
+from helpers import llmc_in_process, llmc_process
 
 from llmc.core.errors import LlmcError
 from llmc.external import vllm_server
 
 
-def llmc_serve(*args: str) -> subprocess.CompletedProcess:
+def serve_in_own_process(*args: str) -> subprocess.CompletedProcess:
     """`llmc serve ARGS` in its own process, which becomes vLLM's (exec)."""
-    return subprocess.run([sys.executable, "-m", "llmc", "serve", *args], capture_output=True, text=True, timeout=120)
+    return llmc_process("serve", *args, timeout=120)
 
 
 @pytest.fixture
@@ -44,7 +43,7 @@ def test_missing_vllm_is_one_clear_error(no_exec):
 
 
 def test_the_command_line_vllm_gets(fake_vllm, tmp_path):
-    run = llmc_serve("--engine", "vllm", "--vllm", str(fake_vllm), "artifacts/x", "--host", "0.0.0.0", "--port", "9001",
+    run = serve_in_own_process("--engine", "vllm", "--vllm", str(fake_vllm), "artifacts/x", "--host", "0.0.0.0", "--port", "9001",
                      "--api-key", "secret", "--max-model-len", "1024", "--max-num-seqs", "8", "--dtype", "float32",
                      "--", "--tensor-parallel-size", "8", "--pipeline-parallel-size", "2")
     assert run.returncode == 7, run.stderr  # vLLM's own exit code: llmc became it
@@ -56,7 +55,7 @@ def test_the_command_line_vllm_gets(fake_vllm, tmp_path):
 
 
 def test_defaults_are_llmc_serves(fake_vllm):
-    run = llmc_serve("--engine", "vllm", "--vllm", str(fake_vllm), "artifacts/x", "--served-model-name", "x")
+    run = serve_in_own_process("--engine", "vllm", "--vllm", str(fake_vllm), "artifacts/x", "--served-model-name", "x")
     assert run.stdout.splitlines() == ["serve", "artifacts/x", "--host", "127.0.0.1", "--port", "8000", "--served-model-name", "x"]
 
 
