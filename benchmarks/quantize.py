@@ -1,13 +1,16 @@
-"""W4A16 (group 64) methods, or with --suite w8a8 the 8-bit weight-and-activation formats (W8A8 int8 with and
-without SmoothQuant, FP8 dynamic / static / block) and the FP8 KV cache, on SmolLM2-135M-Instruct, side by side:
+"""W4A16 (group 64) methods, with --suite w8a8 the 8-bit weight-and-activation formats (W8A8 int8 with and
+without SmoothQuant, FP8 dynamic / static / block) and the FP8 KV cache, or with --suite formats the newer presets
+(NVFP4, MXFP4, MXFP8, W4A8, W4AFP8, W3A16, W2A16; int ones at group 64, which divides SmolLM2's widths), by RTN and
+with GPTQ and the mse observer, on SmolLM2-135M-Instruct, side by side:
 perplexity on WikiText-2 (first N windows of 1,024 tokens), its increase over fp32, quantization wall and CPU time
 (process start to artifact written, model loading included; CPU time is the fairer figure on a shared machine) and
 the quantizing process's peak RSS. Calibration: Spec-Bench's non-MT-bench prompts, the same token windows for every
-method. Where `llmcompressor` is installed its GPTQ and AWQ run on the same model, samples and windows. The depth
-figure with GPTQ (8 vs 32 layers): `python benchmarks/layerwise_memory.py --stage gptq`.
+method. Where `llmcompressor` is installed (here, or in the venv whose python --llmcompressor-python names) its
+GPTQ, AWQ and presets run on the same model, samples and windows. The depth figure with GPTQ (8 vs 32 layers):
+`python benchmarks/layerwise_memory.py --stage gptq`.
 
-    python benchmarks/quantize.py [--suite w4a16|w8a8] [--samples 128] [--seq-len 512] [--windows 40] [--only GPTQ ...]
-        [--fp32-perplexity P]
+    python benchmarks/quantize.py [--suite w4a16|w8a8|formats] [--samples 128] [--seq-len 512] [--windows 40]
+        [--only GPTQ ...] [--fp32-perplexity P] [--llmcompressor-python PATH]
 """
 import argparse
 import json
@@ -56,6 +59,19 @@ W8A8_STAGES = {
     "FP8 static": "  - type: rtn\n    scheme: FP8\n",
     "FP8 block": "  - type: rtn\n    scheme: FP8_BLOCK\n",
 }
+NEW_PRESETS = ["NVFP4A16", "NVFP4", "MXFP4A16", "MXFP4", "MXFP8", "W4A8", "W4AFP8", "W3A16", "W2A16"]
+
+
+def preset_stage(algorithm: str, preset: str, observer: str = "minmax") -> str:
+    fields = [f"observer: {observer}"] + (["group_size: 64"] if preset.startswith("W") else [])
+    return f"  - type: {algorithm}\n    scheme: {preset}\n    weights: {{{', '.join(fields)}}}\n"
+
+
+FORMAT_STAGES = {f"{preset} RTN": preset_stage("rtn", preset) for preset in NEW_PRESETS} | {
+    f"{preset} GPTQ mse": preset_stage("gptq", preset, "mse") for preset in NEW_PRESETS
+} | {"W4A8 SmoothQuant GPTQ mse": "  - type: smoothquant\n" + preset_stage("gptq", "W4A8", "mse"),
+     "W4AFP8 SmoothQuant GPTQ mse": "  - type: smoothquant\n" + preset_stage("gptq", "W4AFP8", "mse"),
+     "W4A16 GPTQ mse": preset_stage("gptq", "W4A16", "mse")}
 BF16_PASSES = "  dtype: bfloat16\n"  # continues the calibration section: forward passes in bfloat16
 SUITES = {
     "w4a16": ({name: f"stages:\n{stages}" for name, stages in LLMC.items()}, LLMCOMPRESSOR),
@@ -68,7 +84,12 @@ SUITES = {
          "llm-compressor FP8 dynamic": ("fp8-dynamic", True)},
     ),
 }
-TITLES = {"w4a16": "W4A16 g64", "w8a8": "8-bit weights and activations, FP8 KV cache"}
+SUITES["formats"] = (
+    {name: f"stages:\n{stages}" for name, stages in FORMAT_STAGES.items()},
+    {f"llm-compressor {preset} RTN": (f"preset-{preset}", True) for preset in NEW_PRESETS},
+)
+TITLES = {"w4a16": "W4A16 g64", "w8a8": "8-bit weights and activations, FP8 KV cache",
+          "formats": "NVFP4, MXFP4, MXFP8, W4A8, W4AFP8, W3A16, W2A16 (int presets at group 64)"}
 
 
 def spec_bench_calibration(folder: Path) -> Path:
@@ -102,12 +123,16 @@ def run_measured(command: list[str]) -> tuple[float, float, float]:
 
 
 def llmc_quantize(folder: Path, name: str, body: str, model: str, calibration: Path, samples: int, seq_len: int):
+    """llmc on the calibration windows, or without a calibration section where the recipe needs no data (RTN with
+    dynamic or no input quantization: the section would only measure each layer's error, at the cost of the passes)."""
+    from llmc.pipeline.recipe import load_recipe
+
     slug = name.lower().replace(" ", "-").replace("+", "-")
     recipe = folder / f"{slug}.yaml"
-    recipe.write_text(
-        f"model: {model}\noutput: {folder / slug}\ncalibration:\n  dataset: {calibration}\n  num_samples: {samples}\n"
-        f"  seq_len: {seq_len}\n{body}"
-    )
+    section = f"calibration:\n  dataset: {calibration}\n  num_samples: {samples}\n  seq_len: {seq_len}\n"
+    recipe.write_text(f"model: {model}\noutput: {folder / slug}\n{section}{body}")
+    if not load_recipe(recipe).needs_calibration:
+        recipe.write_text(f"model: {model}\noutput: {folder / slug}\n{body}")
     return (folder / slug, *run_measured([sys.executable, "-m", "llmc", "quantize", str(recipe)]))
 
 
@@ -118,8 +143,9 @@ def layerwise_seconds(artifact: Path) -> float | None:
     return json.loads(manifest.read_text())["timings"]["quantize_s"] if manifest.is_file() else None
 
 
-def llmcompressor_worker(model: str, method: str, symmetric: bool, ids_file: str, output: str) -> None:
-    """Runs in its own process: llm-compressor on the same token windows, saved as compressed-tensors."""
+def llmcompressor_worker(folder: str, method: str, symmetric: bool, ids_file: str, output: str) -> None:
+    """Runs in its own process (imports nothing of llmc, so it can run in llm-compressor's own venv): llm-compressor on
+    the same token windows of the model folder, saved as compressed-tensors."""
     from datasets import Dataset
     from llmcompressor import oneshot
     from llmcompressor.modifiers.awq import AWQModifier
@@ -130,19 +156,26 @@ def llmcompressor_worker(model: str, method: str, symmetric: bool, ids_file: str
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from llmc.checkpoints.spec import resolve_model
-
     # llm-compressor 0.14's AWQ pins its activation cache, which raises without an accelerator; on CPU pinning
     # would only speed up host-to-device copies that never happen
     IntermediatesCache.pin_memory = lambda self, *args, **kwargs: None
-    folder = resolve_model(model)
     loaded = AutoModelForCausalLM.from_pretrained(folder, dtype="float32")
     ids = load_file(ids_file)["input_ids"]
     dataset = Dataset.from_dict({"input_ids": ids.tolist(), "attention_mask": [[1] * ids.shape[1]] * ids.shape[0]})
     scheme = {"group_0": {"targets": ["Linear"], "weights": {
         "num_bits": 4, "type": "int", "symmetric": symmetric, "strategy": "group", "group_size": 64,
         "actorder": "static" if method == "gptq-static" else None}}}
-    if method == "awq":
+    if method.startswith("preset-"):  # the preset as it is (int ones at group 64), by its round-to-nearest modifier
+        preset = method.removeprefix("preset-")
+        if preset.startswith("W"):
+            from compressed_tensors.quantization.quant_scheme import preset_name_to_scheme
+
+            scheme_of = preset_name_to_scheme(preset, ["Linear"])
+            scheme_of.weights.group_size = 64
+            recipe = [QuantizationModifier(ignore=["lm_head"], config_groups={"group_0": scheme_of})]
+        else:
+            recipe = [QuantizationModifier(targets="Linear", ignore=["lm_head"], scheme=preset)]
+    elif method == "awq":
         recipe = [AWQModifier(ignore=["lm_head"], config_groups=scheme)]
     elif method in ("w8a8", "smoothquant-w8a8", "fp8-dynamic"):
         smoothing = [SmoothQuantModifier(smoothing_strength=0.8)] if method == "smoothquant-w8a8" else []
@@ -151,14 +184,18 @@ def llmcompressor_worker(model: str, method: str, symmetric: bool, ids_file: str
     else:
         recipe = [GPTQModifier(ignore=["lm_head"], config_groups=scheme, actorder="static" if method == "gptq-static" else None)]
     oneshot(model=loaded, dataset=dataset, recipe=recipe, max_seq_length=ids.shape[1], num_calibration_samples=ids.shape[0])
-    loaded.save_pretrained(output, save_compressed=True)
+    # W4A8 / W4AFP8 packed, as vLLM reads them and llm-compressor's docs save W4AFP8
+    packed = method in ("preset-W4A8", "preset-W4AFP8")
+    loaded.save_pretrained(output, save_compressed=True, **({"quantization_format": "pack-quantized"} if packed else {}))
     AutoTokenizer.from_pretrained(folder).save_pretrained(output)
 
 
-def llmcompressor_quantize(folder: Path, name: str, model: str, ids_file: Path, methods: dict):
+def llmcompressor_quantize(folder: Path, name: str, model: str, ids_file: Path, methods: dict, python: str):
+    from llmc.checkpoints.spec import resolve_model
+
     method, symmetric = methods[name]
     output = folder / name.replace(" ", "-")
-    command = [sys.executable, __file__, "--worker", model, method, str(symmetric), str(ids_file), str(output)]
+    command = [python, __file__, "--worker", str(resolve_model(model)), method, str(symmetric), str(ids_file), str(output)]
     return (output, *run_measured(command))
 
 
@@ -192,8 +229,9 @@ def quality_table(args) -> list[dict]:
         ours, theirs = SUITES[args.suite]
         runs = {name: partial(llmc_quantize, folder, name, body, args.model, calibration, args.samples, args.seq_len)
                 for name, body in ours.items()}
-        if importlib.util.find_spec("llmcompressor"):
-            runs |= {name: partial(llmcompressor_quantize, folder, name, args.model, folder / "ids.safetensors", theirs)
+        if args.llmcompressor_python or importlib.util.find_spec("llmcompressor"):
+            python = args.llmcompressor_python or sys.executable
+            runs |= {name: partial(llmcompressor_quantize, folder, name, args.model, folder / "ids.safetensors", theirs, python)
                      for name in theirs}
         for name in args.only or runs:
             if name not in runs:
@@ -212,8 +250,8 @@ def quality_table(args) -> list[dict]:
 
 def main() -> None:
     if sys.argv[1:2] == ["--worker"]:
-        model, method, symmetric, ids_file, output = sys.argv[2:]
-        return llmcompressor_worker(model, method, symmetric == "True", ids_file, output)
+        folder, method, symmetric, ids_file, output = sys.argv[2:]
+        return llmcompressor_worker(folder, method, symmetric == "True", ids_file, output)
     parser = argparse.ArgumentParser()
     parser.add_argument("--suite", choices=SUITES, default="w4a16")
     parser.add_argument("--model", default="smollm2-135m")
@@ -221,6 +259,7 @@ def main() -> None:
     parser.add_argument("--seq-len", type=int, default=512)
     parser.add_argument("--windows", type=int, default=40)
     parser.add_argument("--fp32-perplexity", type=float, help="the base model's, measured earlier with these windows")
+    parser.add_argument("--llmcompressor-python", help="a python with llm-compressor installed, to run its side in")
     every = [name for ours, theirs in SUITES.values() for name in [*ours, *theirs]]
     parser.add_argument("--only", nargs="*", choices=every, help="these methods (of the suite), in this order")
     args = parser.parse_args()

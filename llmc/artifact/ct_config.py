@@ -4,6 +4,7 @@ from llmc.quant.qtypes import QuantArgs
 
 
 def from_ct_args(args: dict) -> QuantArgs:
+    scale_dtype = args.get("scale_dtype")  # "torch.float8_e4m3fn", "torch.uint8"
     return QuantArgs(
         num_bits=args["num_bits"],
         type=args["type"],
@@ -11,9 +12,10 @@ def from_ct_args(args: dict) -> QuantArgs:
         strategy=args["strategy"],
         group_size=args.get("group_size"),
         block_structure=args.get("block_structure"),
-        dynamic=bool(args.get("dynamic")),
+        dynamic="local" if args.get("dynamic") == "local" else bool(args.get("dynamic")),
         actorder="static" if args.get("actorder") == "weight" else args.get("actorder"),
         observer="mse" if args.get("observer") == "mse" else "minmax",
+        scale_dtype=scale_dtype.removeprefix("torch.") if scale_dtype and args["type"] == "float" else None,
     )
 
 

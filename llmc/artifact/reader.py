@@ -11,9 +11,9 @@ import torch
 from llmc.artifact.awq_format import args_from_awq_config, read_awq_weight
 from llmc.artifact.ct_config import kv_cache_args_from_config, schemes_from_config
 from llmc.artifact.gptq_format import args_from_gptq_config, read_gptq_weight
-from llmc.artifact.pack import unpack_int32
+from llmc.artifact.pack import from_e8m0, unpack_e2m1, unpack_int32
 from llmc.checkpoints.checkpoint_reader import CheckpointReader
-from llmc.quant.qtypes import QuantArgs, QuantizedWeight
+from llmc.quant.qtypes import QuantArgs, QuantizedWeight, static_input_name
 from llmc.quant.targets import matches
 
 DRAFT_DIR = "draft"  # the draft heads, inside the artifact
@@ -46,8 +46,22 @@ def is_artifact(folder: Path) -> bool:
     return quantization.get("quant_method") in QUANT_METHODS
 
 
-def read_quantized_weight(reader: CheckpointReader, name: str, args: QuantArgs) -> QuantizedWeight:
+def read_scale(reader: CheckpointReader, name: str, args: QuantArgs) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The scale codes are multiplied by, and the global scale (NVFP4)."""
     scale = reader.tensor(f"{name}.weight_scale")
+    if args.is_mx:
+        return from_e8m0(scale), None
+    if args.strategy == "tensor_group":
+        global_scale = reader.tensor(f"{name}.weight_global_scale").float().reshape(1)
+        return scale.float() / global_scale, global_scale
+    return scale, None
+
+
+def read_quantized_weight(reader: CheckpointReader, name: str, args: QuantArgs) -> QuantizedWeight:
+    scale, global_scale = read_scale(reader, name, args)
+    if args.is_fp4:
+        codes = unpack_e2m1(reader.tensor(f"{name}{PACKED_SUFFIX}"))
+        return QuantizedWeight(codes, scale, torch.zeros_like(scale, dtype=torch.int8), args, global_scale=global_scale)
     if f"{name}{PACKED_SUFFIX}" not in reader.file_of:  # int-quantized / float-quantized: codes stored as they are
         zero_point = reader.tensor(f"{name}.weight_zero_point") if not args.symmetric else torch.zeros_like(scale, dtype=torch.int8)
         return QuantizedWeight(reader.tensor(f"{name}.weight"), scale, zero_point, args)
@@ -109,7 +123,8 @@ def runtime_quantization(folder: Path) -> RuntimeQuantization:
             module = name.removesuffix(".weight_scale")
             acts = scheme_of(module, schemes)[2]
             if acts is not None:
-                inputs[module] = (acts, None if acts.dynamic else reader.tensor(f"{module}.input_scale").float())
+                static = static_input_name(acts)
+                inputs[module] = (acts, None if static is None else reader.tensor(f"{module}.{static}").float())
     kv_scales = {
         name.removesuffix(".k_scale"): (reader.tensor(name).float(), reader.tensor(name.replace(".k_scale", ".v_scale")).float())
         for name in reader.file_of if name.endswith(".k_scale")

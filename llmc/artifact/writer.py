@@ -252,7 +252,8 @@ class ShardWriter:
         for name, param in layer.state_dict().items():
             full_name = f"{prefix}.{name}"
             if full_name not in quantized_params:
-                tensors[full_name] = param.to(self.dtype)
+                # NVFP4's global scales stay float32, as compressed-tensors stores them
+                tensors[full_name] = param if name.endswith("_global_scale") else param.to(self.dtype)
         self.write(tensors)
 
     def write(self, tensors: dict[str, torch.Tensor]) -> None:

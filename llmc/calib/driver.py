@@ -198,7 +198,7 @@ def quantize_layerwise(model: SourceModel, quantization: LayerwiseQuantization, 
         error = None
         if runner:
             round_as_stored(layer, prefix, quantized, quantization.stored_dtype)
-            static_inputs = {name: args for name, args in activations.items() if not args.dynamic}
+            static_inputs = {name: args for name, args in activations.items() if args.dynamic is not True}
             with observing_scales(layer, prefix, static_inputs, quantization.kv_cache, ranks):
                 hidden = runner(layer, hidden)
             if reference is not None:  # None when no stage changes weights (only the KV cache is calibrated)

@@ -1,6 +1,7 @@
 """Calibrated scales taken on a layer's final pass (weights already quantized, what inference will see): per-tensor
-input scales for Linears with static activations, and the KV cache's k_scale / v_scale. They become buffers of
-the modules (`<linear>.input_scale`, `<attention>.k_scale` / `v_scale`), so the artifact writer stores them."""
+input scales for Linears with static activations (NVFP4's: the global scale of its dynamic group scales), and the KV
+cache's k_scale / v_scale. They become buffers of the modules (`<linear>.input_scale` or `input_global_scale`,
+`<attention>.k_scale` / `v_scale`), so the artifact writer stores them."""
 from contextlib import contextmanager
 
 import torch
@@ -8,7 +9,7 @@ from torch import nn
 
 from llmc.quant.kvcache import KVObserver
 from llmc.quant.layer import recording
-from llmc.quant.qtypes import QuantArgs, compute_qparams
+from llmc.quant.qtypes import QuantArgs, compute_qparams, global_scale_of, static_input_name
 from llmc.quant.ranks import SINGLE, Ranks
 
 
@@ -35,8 +36,12 @@ def observing_scales(layer: nn.Module, prefix: str, static_inputs: dict[str, Qua
             del attention.kv_hook
     for name, linear in linears.items():
         absmax[name] = ranks.max(absmax[name])
-        scale, _ = compute_qparams(-absmax[name], absmax[name], static_inputs[name], torch.float32)
-        linear.register_buffer("input_scale", scale.reshape(1))
+        args = static_inputs[name]
+        if args.dynamic == "local":
+            scale = global_scale_of(absmax[name])
+        else:
+            scale, _ = compute_qparams(-absmax[name], absmax[name], args, torch.float32)
+        linear.register_buffer(static_input_name(args), scale.reshape(1))
     if observer is not None:
         observer.absmax = [ranks.max(absmax) for absmax in observer.absmax]
         k_scale, v_scale = observer.scales()

@@ -96,6 +96,17 @@ class Family:
     moe: MoeLayout | None = None  # the sparse MoE block of a mixture-of-experts family
     full_precision: tuple[str, ...] = ()  # Linears no stage quantizes, whatever the recipe targets
 
+    def fused_groups(self, names: list[str]) -> list[list[str]]:
+        """names grouped as engines stack them into one matmul: q/k/v, and gate/up (an expert's too), by their leaf
+        names under one parent; every other Linear alone."""
+        fused_leaves = [tuple(path.rsplit(".", 1)[-1] for path in group) for group in (self.qkv, self.gate_up)]
+        groups: dict[tuple, list[str]] = {}
+        for name in names:
+            parent, _, leaf = name.rpartition(".")
+            leaves = next((leaves for leaves in fused_leaves if leaf in leaves), None)
+            groups.setdefault((parent, leaves) if leaves else (name,), []).append(name)
+        return list(groups.values())
+
 
 LLAMA_LIKE = Family()
 # Gemma: post_attention_layernorm norms the attention's output; pre_feedforward_layernorm feeds the MLP

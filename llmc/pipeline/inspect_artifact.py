@@ -44,7 +44,8 @@ def print_artifact(info: dict, console: Console) -> None:
     groups = Table("group", "bits", "type", "symmetric", "strategy", "group size", "input activations", title="quantization")
     for name, weights in info["config_groups"].items():
         acts = info["input_activations"][name]
-        activations = f"{acts['type']}{acts['num_bits']} {acts['strategy']} {'dynamic' if acts['dynamic'] else 'static'}" if acts else "-"
+        timing = {True: "dynamic", "local": "dynamic local", False: "static"}[acts["dynamic"]] if acts else ""
+        activations = f"{acts['type']}{acts['num_bits']} {acts['strategy']} {timing}" if acts else "-"
         groups.add_row(name, str(weights["num_bits"]), weights["type"], str(weights["symmetric"]),
                        weights["strategy"], str(weights.get("group_size") or "-"), activations)
     console.print(groups)

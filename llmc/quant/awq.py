@@ -34,7 +34,7 @@ class AWQStage(StrictModel):
 
 
 def group_width(args: QuantArgs, columns: int) -> int:
-    return args.group_size if args.strategy == "group" else columns
+    return args.group_size if args.grouped else columns
 
 
 def weight_magnitude(weights: list[torch.Tensor], width: int) -> torch.Tensor:

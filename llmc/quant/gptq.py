@@ -16,6 +16,7 @@ from llmc.quant.qtypes import (
     dequantize_columns,
     observe_range,
     quantize_columns,
+    weight_global_scale,
 )
 from llmc.quant.ranks import Ranks
 from llmc.quant.stage import StageRole, StageRun, register_stage
@@ -77,18 +78,20 @@ def gptq_quantize(
     # real inputs may still use them
     dead = torch.diagonal(hessian) == 0
     hessian[dead, dead] = 1
-    grouped = args.strategy == "group"
-    # channel and tensor scales, and groups under static act-order, are fixed from the original weight
+    grouped = args.grouped
+    # the global scale (NVFP4), channel and tensor scales, and groups under static act-order, are fixed from the
+    # original weight
+    global_scale = weight_global_scale(work, args)
     fixed = None
     if not grouped or args.actorder == "static":
-        fixed = compute_qparams(*observe_range(work, args, scale_dtype), args, scale_dtype)
+        fixed = compute_qparams(*observe_range(work, args, scale_dtype, global_scale), args, scale_dtype, global_scale)
     order = torch.argsort(torch.diagonal(hessian), descending=True) if args.actorder else torch.arange(columns, device=work.device)
     work, hessian = work[:, order], hessian[order][:, order]
     upper = upper_cholesky_of_inverse(hessian, dampening_frac, name)
     if grouped:
         block_size = max(args.group_size, block_size // args.group_size * args.group_size)  # whole groups per block
 
-    codes = torch.empty_like(work, dtype=torch.int8)
+    codes = torch.empty_like(work, dtype=args.code_dtype)
     if fixed is not None:  # each column's own scale and zero point, in the permuted order
         expand = (lambda t: t[:, order // args.group_size]) if grouped else (lambda t: t.reshape(-1, 1).expand(work.shape))
         column_scales, column_zeros = expand(fixed[0]), expand(fixed[1])
@@ -102,8 +105,8 @@ def gptq_quantize(
             if fixed is not None:
                 scale, zero_point = column_scales[:, column : column + 1], column_zeros[:, column : column + 1]
             elif column % args.group_size == 0:
-                group_range = observe_range(block[:, i : i + args.group_size], args, scale_dtype)
-                reached.append(compute_qparams(*group_range, args, scale_dtype))
+                group_range = observe_range(block[:, i : i + args.group_size], args, scale_dtype, global_scale)
+                reached.append(compute_qparams(*group_range, args, scale_dtype, global_scale))
                 scale, zero_point = reached[-1]
             original = block[:, i : i + 1]
             quantized = quantize_columns(original, scale, zero_point, args)
@@ -116,14 +119,14 @@ def gptq_quantize(
     unpermuted = torch.empty_like(codes)
     unpermuted[:, order] = codes
     if fixed is not None:
-        return QuantizedWeight(unpermuted, fixed[0], fixed[1], args)
+        return QuantizedWeight(unpermuted, fixed[0], fixed[1], args, global_scale=global_scale)
     scale = torch.cat([s for s, _ in reached], dim=1)
     zero_point = torch.cat([z for _, z in reached], dim=1)
     g_idx = None
     if args.actorder == "group":
         g_idx = torch.empty(columns, dtype=torch.int32, device=work.device)
         g_idx[order] = torch.arange(columns, dtype=torch.int32, device=work.device) // args.group_size
-    return QuantizedWeight(unpermuted, scale, zero_point, args, g_idx)
+    return QuantizedWeight(unpermuted, scale, zero_point, args, g_idx, global_scale=global_scale)
 
 
 class GPTQRun(StageRun):
@@ -206,8 +209,10 @@ def broadcast_quantized(ranks: Ranks, weight: QuantizedWeight | None, args: Quan
     if weight is not None:
         tensors = {"codes": weight.codes, "scale": weight.scale, "zero_point": weight.zero_point}
         tensors |= {"g_idx": weight.g_idx} if weight.g_idx is not None else {}
+        tensors |= {"global_scale": weight.global_scale} if weight.global_scale is not None else {}
     received = ranks.broadcast_tensors(tensors, src, device)
-    return QuantizedWeight(received["codes"], received["scale"], received["zero_point"], args, received.get("g_idx"))
+    return QuantizedWeight(received["codes"], received["scale"], received["zero_point"], args, received.get("g_idx"),
+                           global_scale=received.get("global_scale"))
 
 
 register_stage(GPTQStage, GPTQRun, StageRole.WEIGHT)

@@ -59,7 +59,7 @@ def check_group_sizes(quantizing: list[tuple[int, StageRun, dict[str, nn.Linear]
     problems = []
     for index, stage, linears in quantizing:
         args = stage.config.weights
-        if args.strategy != "group":
+        if not args.grouped:
             continue
         misfits = {name: linear.in_features for name, linear in linears.items() if linear.in_features % args.group_size}
         if misfits:

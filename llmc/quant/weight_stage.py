@@ -42,13 +42,18 @@ class WeightStage(StrictModel):
         if acts is None:
             return self
         if not acts.symmetric or acts.strategy in ("channel", "block") or acts.actorder:
-            raise ValueError("input_activations: symmetric, with strategy token, group (dynamic) or tensor")
-        if acts.strategy == "group" and not acts.dynamic:
+            raise ValueError("input_activations: symmetric, with strategy token, group (dynamic), tensor_group or tensor")
+        if acts.strategy == "group" and acts.dynamic is not True:
             raise ValueError("input_activations.dynamic: per-token-group scales exist only at run time; set it true")
-        if acts.num_bits != 8 or self.weights.num_bits != 8:
-            raise ValueError("input_activations: W8A8 and FP8 need 8-bit weights and activations")
+        if acts.strategy == "tensor_group" and acts.dynamic != "local":
+            raise ValueError("input_activations.dynamic: NVFP4 inputs take group scales at run time under a calibrated "
+                             "global scale; set it 'local'")
+        if acts.num_bits == 4 and not (acts.is_fp4 and self.weights.is_fp4):
+            raise ValueError("input_activations: 4-bit inputs are float4 (NVFP4, MXFP4), with float4 weights")
+        if acts.num_bits != 4 and (acts.num_bits != 8 or self.weights.num_bits not in (4, 8) or self.weights.is_fp4):
+            raise ValueError("input_activations: 8-bit inputs take int4 or 8-bit weights (W8A8, FP8, W4A8, W4AFP8, MXFP8)")
         return self
 
     @property
     def needs_calibration(self) -> bool:
-        return self.input_activations is not None and not self.input_activations.dynamic
+        return self.input_activations is not None and self.input_activations.dynamic is not True

@@ -4,18 +4,23 @@ loaded by vLLM's CPU build (the venv of test_vllm_compat.py) and its greedy toke
 same prompt token ids. The final norm's gain is multiplied by 8 before quantizing, so logits are decisive: random
 tiny models otherwise sit on near-ties that any rounding difference between two engines' kernels flips, while a
 misread artifact still diverges from the first token."""
-import json
-import os
-import subprocess
 from pathlib import Path
 
 import pytest
 import torch
-from helpers import build_tiny_model, write_recipe
-from transformers import AutoModelForCausalLM
-from vllm_comparison import MISSING_KERNEL, NEAR_TIE, NO_INT4_WITHOUT_AVX512, VLLM_ENV, VllmKernelMissing, first_divergence, llmc_gap
+from helpers import write_recipe
+from vllm_comparison import (
+    MISSING_KERNEL,
+    NEAR_TIE,
+    NO_INT4_WITHOUT_AVX512,
+    VllmKernelMissing,
+    decisive_checkpoint,
+    first_divergence,
+    llmc_gap,
+    require_vllm_int4_kernel,
+    vllm_greedy_results,
+)
 
-from llmc.checkpoints.families import FAMILIES
 from llmc.pipeline.quantize import run_quantize
 from llmc.pipeline.recipe import load_recipe
 from llmc.runtime.engine.config import EngineConfig, native_bfloat16
@@ -49,45 +54,28 @@ NO_CPU_MOE = pytest.mark.xfail(
 )
 
 
-def decisive_checkpoint(folder: Path, family: str) -> Path:
-    model = build_tiny_model(folder, family, hidden=128, seed=1, **FAMILY_CONFIGS[family])
-    hf = AutoModelForCausalLM.from_pretrained(model)
-    gain = hf.model.norm.weight.data
-    offset = FAMILIES[family].norm_offset
-    gain.copy_((gain + offset) * 8 - offset)
-    hf.save_pretrained(model)
-    return model
-
-
 @pytest.fixture(scope="module")
 def artifacts(tmp_path_factory) -> dict[str, Path]:
     built = {}
     for family in FAMILY_CONFIGS:
         folder = tmp_path_factory.mktemp(family)
-        model = decisive_checkpoint(folder / "model", family)
+        model = decisive_checkpoint(folder / "model", family, **FAMILY_CONFIGS[family])
         built[family] = run_quantize(load_recipe(write_recipe(folder / "recipe.yaml", model, folder / "w4a16", W4A16_G32)))
     return built
 
 
 @pytest.fixture(scope="module")
 def vllm_tokens(artifacts, vllm_python, tmp_path_factory) -> dict[str, dict]:
-    folder = tmp_path_factory.mktemp("vllm-families")
-    request = {"artifacts": [str(path) for path in artifacts.values()], "prompts": PROMPTS, "max_tokens": MAX_TOKENS,
-               "max_model_len": 256, "dtype": DTYPE}
-    (folder / "request.json").write_text(json.dumps(request))
-    with open(folder / "vllm.log", "w") as log:
-        run = subprocess.run([str(vllm_python), str(Path(__file__).with_name("vllm_greedy.py")), str(folder / "request.json"),
-                              str(folder / "results.jsonl")], stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                             env=os.environ | VLLM_ENV | {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}, timeout=1200)
-    assert run.returncode == 0, (folder / "vllm.log").read_text()[-5000:]
-    results = [json.loads(line) for line in (folder / "results.jsonl").read_text().splitlines()]
-    return {Path(result["artifact"]).parent.name: result for result in results}
+    return vllm_greedy_results(vllm_python, list(artifacts.values()), PROMPTS, MAX_TOKENS, DTYPE, tmp_path_factory.mktemp("vllm-families"))
 
 
 @pytest.mark.parametrize("family", [pytest.param(family, marks=NO_CPU_MOE if family in ("mixtral", "qwen3_moe") else NO_INT4_WITHOUT_AVX512)
                                     for family in FAMILY_CONFIGS])
-def test_vllm_loads_the_artifact_and_agrees_on_greedy_tokens(family, artifacts, vllm_tokens):
-    theirs = vllm_tokens[artifacts[family].parent.name]
+def test_vllm_loads_the_artifact_and_agrees_on_greedy_tokens(family, request, vllm_python):
+    moe = family in ("mixtral", "qwen3_moe")
+    require_vllm_int4_kernel(vllm_python, VllmMoeKernelMissing if moe else None)  # before building anything
+    artifacts = request.getfixturevalue("artifacts")
+    theirs = request.getfixturevalue("vllm_tokens")[artifacts[family].parent.name]
     if MOE_KERNEL_MISSING in theirs.get("error", ""):
         raise VllmMoeKernelMissing(theirs["error"])
     if MISSING_KERNEL.search(theirs.get("error", "")):

@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from llmc.quant.qtypes import QuantizedWeight
+from llmc.quant.qtypes import QuantizedWeight, fake_quantize_activation
 from llmc.runtime.layers.int4_amx import Int4Matmul, compile_amx
 from llmc.runtime.layers.int4_triton_linear import Int4TritonLinear
 from llmc.runtime.layers.linear_weight import LinearWeight, merge
@@ -140,8 +140,31 @@ class Int8CpuLinear(nn.Module):
         return out if self.bias is None else out + self.bias
 
 
+class EmulatedInputLinear(nn.Module):
+    """Quantized inputs llmc has no quantized-input GEMM for (W4A8, W4AFP8, NVFP4, MXFP4, MXFP8): each input is
+    quantized and dequantized as the artifact says, then multiplied by the weight-only kernel of the same weights.
+    The products are the quantized GEMM's up to summation order: what a W4A8 kernel computes exactly, at the speed
+    of the weight-only one."""
+
+    def __init__(self, weight: LinearWeight, dtype: torch.dtype, device: str):
+        super().__init__()
+        self.input_activations = weight.weight.input_activations
+        self.register_buffer("input_scale", None if weight.input_scale is None else weight.input_scale.to(device, torch.float32))
+        weight_only = replace(weight, weight=replace(weight.weight, input_activations=None), input_scale=None)
+        self.weights = next(kernel for kernel in KERNELS if kernel.supports(weight_only, dtype, device))(weight_only, dtype, device)
+
+    @staticmethod
+    def supports(weight: LinearWeight, dtype: torch.dtype, device: str) -> bool:
+        return isinstance(weight.weight, QuantizedWeight) and weight.weight.input_activations is not None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.weights(fake_quantize_activation(x, self.input_activations, self.input_scale))
+
+
 # by priority; DenseLinear takes anything
-KERNELS: list[type[nn.Module]] = [QuantizedInputLinear, Int4TritonLinear, Int4CpuLinear, Int8CpuLinear, DenseLinear]
+KERNELS: list[type[nn.Module]] = [
+    QuantizedInputLinear, EmulatedInputLinear, Int4TritonLinear, Int4CpuLinear, Int8CpuLinear, DenseLinear,
+]
 
 
 def build_linear(parts: list[LinearWeight], dtype: torch.dtype, device: str, dense: bool = False) -> nn.Module:

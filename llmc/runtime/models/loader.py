@@ -7,6 +7,7 @@ from torch import nn
 from llmc.artifact.ct_config import kv_cache_args_from_config, schemes_from_config
 from llmc.artifact.reader import layout_of, scheme_of
 from llmc.checkpoints.checkpoint_reader import CheckpointReader
+from llmc.quant.qtypes import static_input_name
 from llmc.runtime.layers.linear import Int4CpuLinear, build_linear
 from llmc.runtime.layers.linear_weight import LinearWeight, merge
 
@@ -59,5 +60,5 @@ class WeightLoader:
             return LinearWeight(weight, bias)
         input_activations = scheme_of(name, self.schemes)[2]
         weight.input_activations = input_activations
-        static = input_activations is not None and not input_activations.dynamic
-        return LinearWeight(weight, bias, self.reader.tensor(f"{name}.input_scale") if static else None)
+        static = static_input_name(input_activations)
+        return LinearWeight(weight, bias, self.reader.tensor(f"{name}.{static}") if static else None)

@@ -61,8 +61,8 @@ def test_unknown_key_names_path_and_line(tmp_path):
 
 
 def test_bad_value_names_path_and_line(tmp_path):
-    message = error_of(write(tmp_path, GOOD.replace("group_size: 64", "group_size: 64\n      num_bits: 3")))
-    assert "line 10: stages.0.weights.num_bits: Input should be 4 or 8" in message
+    message = error_of(write(tmp_path, GOOD.replace("group_size: 64", "group_size: 64\n      num_bits: 5")))
+    assert "line 10: stages.0.weights.num_bits: Input should be 2, 3, 4 or 8" in message
 
 
 def test_unknown_top_level_section(tmp_path):
@@ -75,7 +75,7 @@ def test_unknown_stage_type(tmp_path):
 
 
 def test_unknown_scheme(tmp_path):
-    assert "unknown scheme 'W3A16'" in error_of(write(tmp_path, GOOD.replace("W4A16", "W3A16")))
+    assert "unknown scheme 'W5A16'" in error_of(write(tmp_path, GOOD.replace("W4A16", "W5A16")))
 
 
 def test_bad_override_is_attributed_to_set(tmp_path):

@@ -78,7 +78,7 @@ def test_group_size_must_divide():
 
 def test_bad_formats_rejected():
     with pytest.raises(ValueError, match="num_bits must be one of"):
-        QuantArgs(num_bits=3)
+        QuantArgs(num_bits=5)
     with pytest.raises(ValueError, match="positive group_size"):
         QuantArgs(strategy="group", group_size=0)
 

@@ -103,10 +103,10 @@ def test_mixed_formats_are_mixed_precision(tmp_path, tiny_llama, calib_file):
 
 @pytest.mark.parametrize("stages, message", [
     ("  - type: rtn\n    scheme: FP8\n", r"line 4: stages.0 \(rtn\) needs a calibration section: static input_activations"),
-    ("  - type: rtn\n    scheme: W4A16\n    input_activations: {num_bits: 8, strategy: token, dynamic: true}\n",
-     "line 4: stages.0: input_activations: W8A8 and FP8 need 8-bit weights and activations"),
+    ("  - type: rtn\n    scheme: W2A16\n    input_activations: {num_bits: 8, strategy: token, dynamic: true}\n",
+     "line 4: stages.0: input_activations: 8-bit inputs take int4 or 8-bit weights"),
     ("  - type: rtn\n    scheme: W8A8\n    input_activations: {dynamic: false}\n", "strategy 'token' needs dynamic: true"),
-    ("  - type: rtn\n    weights: {num_bits: 4, type: float}\n", "float8 E4M3: num_bits 8"),
+    ("  - type: rtn\n    weights: {num_bits: 4, type: float}\n", "float4 E2M1 is NVFP4"),
     ("  - type: gptq\n    scheme: FP8_BLOCK\n", "GPTQ walks columns and cannot fix 2-D block scales"),
 ])
 def test_activation_recipe_mistakes(tmp_path, tiny_llama, stages, message):
