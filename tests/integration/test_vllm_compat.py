@@ -33,6 +33,7 @@ from vllm_comparison import (
     VllmKernelMissing,
     first_divergence,
     llmc_gap,
+    vllm_has_int4_kernel,
 )
 
 from llmc.external.server_process import free_port
@@ -135,7 +136,8 @@ def comparison(venv_build, artifacts, vllm_python, tmp_path_factory) -> dict[str
     folder = tmp_path_factory.mktemp("vllm-greedy")
     prompts = chat_prompts(artifacts["W8A8"])
     skipped = {name: reason for name in artifacts if (reason := too_slow_in_vllm(name))}
-    in_vllm = {name: path for name, path in artifacts.items() if name not in skipped}
+    unrunnable = {} if vllm_has_int4_kernel(vllm_python) else {"W4A16": "vLLM's CPU build here lacks torch.ops._C.cpu_gemm_wna16"}
+    in_vllm = {name: path for name, path in artifacts.items() if name not in skipped | unrunnable}
     request = {"artifacts": [str(path) for path in in_vllm.values()], "prompts": prompts, "max_tokens": MAX_TOKENS,
                "max_model_len": MAX_MODEL_LEN, "dtype": DTYPE}
     (folder / "request.json").write_text(json.dumps(request))
@@ -159,7 +161,8 @@ def comparison(venv_build, artifacts, vllm_python, tmp_path_factory) -> dict[str
     lines = (folder / "results.jsonl").read_text().splitlines() if (folder / "results.jsonl").exists() else []
     assert returncode == 0 and len(lines) == len(in_vllm), (folder / "vllm.log").read_text()[-5000:]
     theirs = {Path(result["artifact"]).name: result for result in map(json.loads, lines)}
-    return {name: {"llmc": ours[name]} | (theirs[path.name] if name in in_vllm else {"skip": skipped[name]})
+    return {name: {"llmc": ours[name]} | (theirs[path.name] if name in in_vllm else {"skip": skipped[name]} if name in skipped
+                                          else {"kernel_missing": unrunnable[name]})
             for name, path in artifacts.items()}
 
 
@@ -168,6 +171,8 @@ def test_vllm_greedy_tokens_match_llmc(comparison, artifacts, name):
     result = comparison[name]
     if "skip" in result:
         pytest.skip(result["skip"])
+    if "kernel_missing" in result:  # known without loading it (vllm_has_int4_kernel)
+        raise VllmKernelMissing(result["kernel_missing"])
     if "error" in result:
         print(f"\nvllm-compat {name}: does not run in vLLM: {result['error'].splitlines()[0]}")
         if MISSING_KERNEL.search(result["error"]):

@@ -13,7 +13,7 @@ import pytest
 import torch
 from helpers import llmc_process, smollm2_available
 from transformers import AutoModelForCausalLM, AutoTokenizer, Qwen2Config
-from vllm_comparison import MISSING_KERNEL, NO_INT4_WITHOUT_AVX512, VLLM_VENV, VllmKernelMissing
+from vllm_comparison import MISSING_KERNEL, NO_INT4_WITHOUT_AVX512, VLLM_VENV, VllmKernelMissing, require_vllm_int4_kernel
 
 from llmc.checkpoints.spec import resolve_model
 
@@ -70,8 +70,9 @@ def eagle3_artifact(venv_build, tmp_path_factory) -> Path:  # the venv builds me
 
 @NEEDS_SMOLLM2
 @NO_INT4_WITHOUT_AVX512
-def test_vllm_serves_the_eagle3_draft_as_written(eagle3_artifact, vllm_python, tmp_path):
-    result = served_by_both_engines(eagle3_artifact, PROMPTS, tmp_path)
+def test_vllm_serves_the_eagle3_draft_as_written(request, vllm_python, tmp_path):
+    require_vllm_int4_kernel(vllm_python)  # the target is int4
+    result = served_by_both_engines(request.getfixturevalue("eagle3_artifact"), PROMPTS, tmp_path)
     theirs = result["vllm"]
     # the same head, chain and prompts in both engines (bfloat16 in each, int8 draft weights in llmc's)
     assert 0.8 < theirs["accepted_length_ratio"] < 1.25
@@ -103,6 +104,7 @@ def smollm2_as_qwen2(folder: Path) -> Path:
 def test_vllm_serves_an_eagle3_draft_trained_on_a_qwen2_target(venv_build, vllm_python, tmp_path):
     """Beyond Llama: vLLM keeps the same aux layers' features from its own Qwen2 (and so Qwen3) model as llmc's runtime
     from its one model definition, so the head trained on llmc's reads the same there."""
+    require_vllm_int4_kernel(vllm_python)  # the target is int4
     model = smollm2_as_qwen2(tmp_path / "qwen2")
     artifact = tmp_path / "w4a16"
     run = llmc("quantize", str(ROOT / "recipes" / "smollm2-w4a16-rtn.yaml"), "--output", str(artifact), "--set", f"model={model}",
