@@ -31,6 +31,8 @@ NO_INT4_WITHOUT_AVX512 = pytest.mark.xfail(
 )
 
 
+INT4_OP_MISSING = ("vLLM's CPU build here lacks torch.ops._C.cpu_gemm_wna16, which its int4 layers call: only its "
+                   "AVX-512 builds register it")
 INT4_OP_PROBE = """
 import torch
 from vllm.platforms import current_platform
@@ -53,8 +55,7 @@ def require_vllm_int4_kernel(vllm_python: Path, missing: type[Exception] | None 
     """Raises missing (VllmKernelMissing by default) where vLLM has no int4 CPU kernel: a test that needs one stops
     before its expensive setup, and one that ran on a vLLM gaining it would pass, which a strict xfail notices."""
     if not vllm_has_int4_kernel(vllm_python):
-        raise (missing or VllmKernelMissing)("vLLM's CPU build here lacks torch.ops._C.cpu_gemm_wna16, which its int4 "
-                                             "layers call: only its AVX-512 builds register it")
+        raise (missing or VllmKernelMissing)(INT4_OP_MISSING)
 
 
 def first_divergence(ours: list[int], theirs: list[int]) -> int | None:

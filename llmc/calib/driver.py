@@ -25,7 +25,7 @@ from llmc.checkpoints.families import Family, family_for
 from llmc.quant.kvcache import KV_ATTENTION
 from llmc.quant.layer import COMPUTE_DTYPE, CPU, LayerRunner, LayerWork, recording
 from llmc.quant.plan import QuantizationPlan
-from llmc.quant.qtypes import QuantArgs, QuantizedWeight
+from llmc.quant.qtypes import QuantArgs, QuantizedWeight, static_input_name
 from llmc.quant.ranks import SINGLE, Ranks
 from llmc.quant.stage import StageRun
 
@@ -198,7 +198,7 @@ def quantize_layerwise(model: SourceModel, quantization: LayerwiseQuantization, 
         error = None
         if runner:
             round_as_stored(layer, prefix, quantized, quantization.stored_dtype)
-            static_inputs = {name: args for name, args in activations.items() if args.dynamic is not True}
+            static_inputs = {name: args for name, args in activations.items() if static_input_name(args)}
             with observing_scales(layer, prefix, static_inputs, quantization.kv_cache, ranks):
                 hidden = runner(layer, hidden)
             if reference is not None:  # None when no stage changes weights (only the KV cache is calibrated)

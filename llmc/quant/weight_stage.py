@@ -5,7 +5,7 @@ from typing import Any
 from pydantic import model_validator
 
 from llmc.core.schema import StrictModel
-from llmc.quant.qtypes import QuantArgs
+from llmc.quant.qtypes import QuantArgs, static_input_name
 from llmc.quant.schemes import resolve_activation_args, resolve_weight_args
 
 
@@ -56,4 +56,4 @@ class WeightStage(StrictModel):
 
     @property
     def needs_calibration(self) -> bool:
-        return self.input_activations is not None and self.input_activations.dynamic is not True
+        return static_input_name(self.input_activations) is not None

@@ -25,6 +25,7 @@ from helpers import smollm2_available
 from vllm_comparison import (
     AMX,
     AVX512,
+    INT4_OP_MISSING,
     MAX_MODEL_LEN,
     MISSING_KERNEL,
     NEAR_TIE,
@@ -136,7 +137,7 @@ def comparison(venv_build, artifacts, vllm_python, tmp_path_factory) -> dict[str
     folder = tmp_path_factory.mktemp("vllm-greedy")
     prompts = chat_prompts(artifacts["W8A8"])
     skipped = {name: reason for name in artifacts if (reason := too_slow_in_vllm(name))}
-    unrunnable = {} if vllm_has_int4_kernel(vllm_python) else {"W4A16": "vLLM's CPU build here lacks torch.ops._C.cpu_gemm_wna16"}
+    unrunnable = {} if vllm_has_int4_kernel(vllm_python) else {"W4A16": INT4_OP_MISSING}
     in_vllm = {name: path for name, path in artifacts.items() if name not in skipped | unrunnable}
     request = {"artifacts": [str(path) for path in in_vllm.values()], "prompts": prompts, "max_tokens": MAX_TOKENS,
                "max_model_len": MAX_MODEL_LEN, "dtype": DTYPE}

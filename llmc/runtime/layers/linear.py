@@ -151,7 +151,7 @@ class EmulatedInputLinear(nn.Module):
         self.input_activations = weight.weight.input_activations
         self.register_buffer("input_scale", None if weight.input_scale is None else weight.input_scale.to(device, torch.float32))
         weight_only = replace(weight, weight=replace(weight.weight, input_activations=None), input_scale=None)
-        self.weights = next(kernel for kernel in KERNELS if kernel.supports(weight_only, dtype, device))(weight_only, dtype, device)
+        self.weights = build_linear([weight_only], dtype, device)
 
     @staticmethod
     def supports(weight: LinearWeight, dtype: torch.dtype, device: str) -> bool:
