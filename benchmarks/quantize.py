@@ -10,7 +10,7 @@ GPTQ, AWQ and presets run on the same model, samples and windows. The depth figu
 `python benchmarks/layerwise_memory.py --stage gptq`.
 
     python benchmarks/quantize.py [--suite w4a16|w8a8|formats] [--samples 128] [--seq-len 512] [--windows 40]
-        [--only GPTQ ...] [--fp32-perplexity P] [--llmcompressor-python PATH]
+        [--only GPTQ ...] [--fp32-perplexity P] [--llmcompressor-python PATH] [--business FILE [--business-limit N]]
 """
 import argparse
 import json
@@ -86,7 +86,8 @@ SUITES = {
 }
 SUITES["formats"] = (
     {name: f"stages:\n{stages}" for name, stages in FORMAT_STAGES.items()},
-    {f"llm-compressor {preset} RTN": (f"preset-{preset}", True) for preset in NEW_PRESETS},
+    {f"llm-compressor {preset} RTN": (f"preset-{preset}", True) for preset in NEW_PRESETS}
+    | {f"llm-compressor {preset} GPTQ": (f"gptq-preset-{preset}", True) for preset in [*NEW_PRESETS, "W4A16"]},
 )
 TITLES = {"w4a16": "W4A16 g64", "w8a8": "8-bit weights and activations, FP8 KV cache",
           "formats": "NVFP4, MXFP4, MXFP8, W4A8, W4AFP8, W3A16, W2A16 (int presets at group 64)"}
@@ -165,16 +166,17 @@ def llmcompressor_worker(folder: str, method: str, symmetric: bool, ids_file: st
     scheme = {"group_0": {"targets": ["Linear"], "weights": {
         "num_bits": 4, "type": "int", "symmetric": symmetric, "strategy": "group", "group_size": 64,
         "actorder": "static" if method == "gptq-static" else None}}}
-    if method.startswith("preset-"):  # the preset as it is (int ones at group 64), by its round-to-nearest modifier
-        preset = method.removeprefix("preset-")
+    if method.startswith(("preset-", "gptq-preset-")):  # the preset as it is (int ones at group 64), by RTN or GPTQ
+        modifier = GPTQModifier if method.startswith("gptq-") else QuantizationModifier
+        preset = method.split("preset-", 1)[1]
         if preset.startswith("W"):
             from compressed_tensors.quantization.quant_scheme import preset_name_to_scheme
 
             scheme_of = preset_name_to_scheme(preset, ["Linear"])
             scheme_of.weights.group_size = 64
-            recipe = [QuantizationModifier(ignore=["lm_head"], config_groups={"group_0": scheme_of})]
+            recipe = [modifier(ignore=["lm_head"], config_groups={"group_0": scheme_of})]
         else:
-            recipe = [QuantizationModifier(targets="Linear", ignore=["lm_head"], scheme=preset)]
+            recipe = [modifier(targets="Linear", ignore=["lm_head"], scheme=preset)]
     elif method == "awq":
         recipe = [AWQModifier(ignore=["lm_head"], config_groups=scheme)]
     elif method in ("w8a8", "smoothquant-w8a8", "fp8-dynamic"):
@@ -185,7 +187,7 @@ def llmcompressor_worker(folder: str, method: str, symmetric: bool, ids_file: st
         recipe = [GPTQModifier(ignore=["lm_head"], config_groups=scheme, actorder="static" if method == "gptq-static" else None)]
     oneshot(model=loaded, dataset=dataset, recipe=recipe, max_seq_length=ids.shape[1], num_calibration_samples=ids.shape[0])
     # W4A8 / W4AFP8 packed, as vLLM reads them and llm-compressor's docs save W4AFP8
-    packed = method in ("preset-W4A8", "preset-W4AFP8")
+    packed = method.endswith(("preset-W4A8", "preset-W4AFP8"))
     loaded.save_pretrained(output, save_compressed=True, **({"quantization_format": "pack-quantized"} if packed else {}))
     AutoTokenizer.from_pretrained(folder).save_pretrained(output)
 
@@ -205,6 +207,17 @@ def perplexity_of(target: str, text: str, windows: int) -> float:
 
     loaded = load_model(target)
     return perplexity(loaded.model, loaded.tokenizer, text, "wikitext2", 1024, windows, label=target[-40:]).perplexity
+
+
+def business_comparison(model: str, artifacts: dict[str, Path], dataset: Path, limit: int | None) -> dict[str, dict]:
+    """Per artifact: recovery, agreement and KL against the base model on the business set (`llmc eval`'s side by
+    side, every model through transformers on its dequantized weights)."""
+    from llmc.evals.config import BusinessEval, EvalConfig
+    from llmc.evals.suite import EvalTarget, evaluate_side_by_side
+
+    targets = [EvalTarget("base", model)] + [EvalTarget(name, str(path)) for name, path in artifacts.items()]
+    report = evaluate_side_by_side(targets, EvalConfig(business=BusinessEval(dataset=str(dataset), limit=limit)))
+    return {name: report["targets"][name]["vs_baseline"] for name in artifacts}
 
 
 def quality_table(args) -> list[dict]:
@@ -243,8 +256,15 @@ def quality_table(args) -> list[dict]:
                 print(f"{name}: {error}", file=sys.stderr)
                 continue
             rows.append({"method": name, "perplexity": perplexity_of(str(artifact), text, args.windows),
-                         "seconds": seconds, "cpu": cpu, "rss": rss, "layerwise": layerwise_seconds(artifact)})
-            print(json.dumps(rows[-1]), flush=True)
+                         "seconds": seconds, "cpu": cpu, "rss": rss, "layerwise": layerwise_seconds(artifact),
+                         "artifact": artifact})
+            print(json.dumps(rows[-1], default=str), flush=True)
+        if args.business:
+            compared = business_comparison(args.model, {row["method"]: row["artifact"] for row in rows[1:]}, args.business,
+                                           args.business_limit)
+            for row in rows[1:]:
+                row["business"] = compared[row["method"]]
+                print(json.dumps({"method": row["method"], **row["business"]}), flush=True)
     return rows
 
 
@@ -260,16 +280,22 @@ def main() -> None:
     parser.add_argument("--windows", type=int, default=40)
     parser.add_argument("--fp32-perplexity", type=float, help="the base model's, measured earlier with these windows")
     parser.add_argument("--llmcompressor-python", help="a python with llm-compressor installed, to run its side in")
+    parser.add_argument("--business", type=Path, help="also each artifact's recovery, agreement and KL against the base "
+                                                      "on this business set (e.g. calib_data/business/customer_service.jsonl)")
+    parser.add_argument("--business-limit", type=int, help="its first N items")
     every = [name for ours, theirs in SUITES.values() for name in [*ours, *theirs]]
     parser.add_argument("--only", nargs="*", choices=every, help="these methods (of the suite), in this order")
     args = parser.parse_args()
     rows = quality_table(args)
     base = rows[0]["perplexity"]
     print(f"\n{TITLES[args.suite]}, calibration {args.samples} x {args.seq_len} Spec-Bench tokens, WikiText-2 {args.windows} x 1024")
-    print("| method | perplexity | vs fp32 | quantize wall s | quantize CPU s | layer-by-layer s | peak RSS MiB |")
-    print("|---|---|---|---|---|---|---|")
+    business = ["recovery", "agreement", "kl"] if args.business else []
+    print("| method | perplexity | vs fp32 | " + "".join(f"business {key} | " for key in business)
+          + "quantize wall s | quantize CPU s | layer-by-layer s | peak RSS MiB |")
+    print("|---|---|---|" + "---|" * (len(business) + 4))
     for row in rows:
-        cells = ["" if row[key] is None else f"{row[key]:.0f}" for key in ("seconds", "cpu", "layerwise", "rss")]
+        cells = ["" if row.get("business", {}).get(key) is None else f"{row['business'][key]:.3f}" for key in business]
+        cells += ["" if row[key] is None else f"{row[key]:.0f}" for key in ("seconds", "cpu", "layerwise", "rss")]
         print(f"| {row['method']} | {row['perplexity']:.3f} | {row['perplexity'] / base - 1:+.2%} | {' | '.join(cells)} |")
 
 

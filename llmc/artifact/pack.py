@@ -59,14 +59,20 @@ def _as_int32(words: torch.Tensor) -> torch.Tensor:
     return torch.where(words >= 1 << 31, words - (1 << 32), words).to(torch.int32)
 
 
+def e2m1_nibbles(codes: torch.Tensor) -> torch.Tensor:
+    """float4 values (any float dtype; -0.0 keeps its sign bit) -> their 4-bit codes as uint8: the sign bit, then the
+    index of the magnitude in E2M1_MAGNITUDES."""
+    values = codes.float()
+    magnitudes = torch.tensor(E2M1_MAGNITUDES, device=values.device)
+    index = (values.abs().unsqueeze(-1) == magnitudes).to(torch.uint8).argmax(dim=-1).to(torch.uint8)
+    return index | (torch.signbit(values).to(torch.uint8) << 3)
+
+
 def pack_e2m1(codes: torch.Tensor) -> torch.Tensor:
-    """[rows, cols] float4 values (any float dtype; -0.0 keeps its sign bit) -> [rows, cols / 2] uint8."""
+    """[rows, cols] float4 values -> [rows, cols / 2] uint8, the even column in the low nibble."""
     if codes.shape[1] % 2:
         raise ValueError(f"float4 codes pack two per byte: {codes.shape[1]} columns is odd")
-    values = codes.float()
-    magnitudes = torch.tensor(E2M1_MAGNITUDES)
-    index = (values.abs().unsqueeze(-1) == magnitudes).to(torch.uint8).argmax(dim=-1).to(torch.uint8)
-    nibbles = index | (torch.signbit(values).to(torch.uint8) << 3)
+    nibbles = e2m1_nibbles(codes)
     return nibbles[:, 0::2] | (nibbles[:, 1::2] << 4)
 
 

@@ -7,6 +7,10 @@ from dataclasses import dataclass, field
 
 logger = logging.getLogger(__name__)
 
+# what the kernels are compiled with: this machine's vector units, OpenMP threads, and no contraction of a product and a
+# sum into an FMA where a kernel's source does not ask for one (the kernels reproduce torch ops' bits)
+COMPILER_FLAGS = ["-O3", "-march=native", "-fopenmp", "-ffp-contract=off"]
+
 # C++ for the kernels' sources to start with: where the compiler targets AVX-512, widen16 loads 16 float32, bfloat16
 # (widened by a shift) or float16 values as float32
 WIDEN16 = r"""

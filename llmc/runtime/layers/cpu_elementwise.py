@@ -7,7 +7,7 @@ torch ops of norm.py serve it. The CUDA counterparts are triton_elementwise.py. 
 layers/cpu_attention.py; where that fails, the torch ops serve."""
 import torch
 
-from llmc.runtime.layers.cpp_kernel import WIDEN16, CppKernel
+from llmc.runtime.layers.cpp_kernel import COMPILER_FLAGS, WIDEN16, CppKernel
 
 SOURCE = WIDEN16 + r"""
 #include <torch/extension.h>
@@ -102,7 +102,6 @@ torch::Tensor rotary(torch::Tensor states, torch::Tensor positions, torch::Tenso
 }
 """
 # no contractions: the rotary kernel's products and sums must round one at a time, as torch's ops do
-COMPILER_FLAGS = ["-O3", "-march=native", "-fopenmp", "-ffp-contract=off"]
 KERNEL = CppKernel("llmc_elementwise", SOURCE, ["rms_norm", "rotary"], COMPILER_FLAGS,
                    "the decoder's norms and rotary embedding on torch ops")
 

@@ -10,7 +10,7 @@ import torch
 
 from llmc.quant.qtypes import QuantizedWeight
 from llmc.quant.quantized_mm import int8_mm
-from llmc.runtime.layers.cpp_kernel import CppKernel
+from llmc.runtime.layers.cpp_kernel import COMPILER_FLAGS, CppKernel
 
 # decode's rows; past them (prefill) the products outweigh the repacking and oneDNN's GEMM in _int_mm is the faster
 MAX_PACKED_ROWS = 64
@@ -255,7 +255,6 @@ torch::Tensor int8_linear_packed(torch::Tensor codes, torch::Tensor act_scale, t
 }
 """
 # no contractions: the epilogue's two products and sum round one at a time, as scale_sums' do
-COMPILER_FLAGS = ["-O3", "-march=native", "-fopenmp", "-ffp-contract=off"]
 FUNCTIONS = ["vnni_available", "pack_int8_weight", "int8_matmul_packed", "int8_linear_packed"]
 KERNEL = CppKernel("llmc_int8_gemm", SOURCE, FUNCTIONS, COMPILER_FLAGS, "multiplying int8 codes with torch._int_mm")
 

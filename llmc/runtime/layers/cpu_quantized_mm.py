@@ -10,7 +10,7 @@ depend on the rows beside it. Compiled on first use like layers/cpu_attention.py
 import torch
 
 from llmc.quant.qtypes import QuantArgs
-from llmc.runtime.layers.cpp_kernel import WIDEN16, CppKernel
+from llmc.runtime.layers.cpp_kernel import COMPILER_FLAGS, WIDEN16, CppKernel
 from llmc.runtime.layers.onednn_packed import PackedWeight
 
 SOURCE = WIDEN16 + r"""
@@ -157,7 +157,6 @@ torch::Tensor scale_sums(torch::Tensor sums, torch::Tensor act_scale, torch::Ten
 }
 """
 # no fast math and no fused multiply-adds: every division, product and rounding must be IEEE's, one at a time, as torch's are
-COMPILER_FLAGS = ["-O3", "-march=native", "-fopenmp", "-ffp-contract=off"]
 KERNEL = CppKernel("llmc_quantize_rows", SOURCE, ["quantize_rows", "scale_sums"], COMPILER_FLAGS, "quantizing with torch ops")
 
 

@@ -8,11 +8,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from llmc.quant.qtypes import QuantizedWeight, fake_quantize_activation
+from llmc.runtime.layers.cpu_fp4_gemm import Fp4CpuLinear
 from llmc.runtime.layers.int4_amx import Int4Matmul, compile_amx
-from llmc.runtime.layers.int4_triton_linear import Int4TritonLinear
 from llmc.runtime.layers.linear_weight import LinearWeight, merge
 from llmc.runtime.layers.onednn_packed import PackedWeight, packs_for_onednn
 from llmc.runtime.layers.quantized_input_linear import QuantizedInputLinear
+from llmc.runtime.layers.w4a16_triton_linear import W4A16TritonLinear
 
 
 class DenseLinear(nn.Module):
@@ -163,8 +164,10 @@ class EmulatedInputLinear(nn.Module):
 
 # by priority; DenseLinear takes anything
 KERNELS: list[type[nn.Module]] = [
-    QuantizedInputLinear, EmulatedInputLinear, Int4TritonLinear, Int4CpuLinear, Int8CpuLinear, DenseLinear,
+    QuantizedInputLinear, EmulatedInputLinear, W4A16TritonLinear, Int4CpuLinear, Int8CpuLinear, Fp4CpuLinear, DenseLinear,
 ]
+# kernels that can keep a dense copy of their weights for steps of many rows (use_dense_copy)
+DENSE_COPY_KERNELS = (Int4CpuLinear, Fp4CpuLinear)
 
 
 def build_linear(parts: list[LinearWeight], dtype: torch.dtype, device: str, dense: bool = False) -> nn.Module:

@@ -8,7 +8,7 @@ from llmc.artifact.ct_config import kv_cache_args_from_config, schemes_from_conf
 from llmc.artifact.reader import layout_of, scheme_of
 from llmc.checkpoints.checkpoint_reader import CheckpointReader
 from llmc.quant.qtypes import static_input_name
-from llmc.runtime.layers.linear import Int4CpuLinear, build_linear
+from llmc.runtime.layers.linear import DENSE_COPY_KERNELS, build_linear
 from llmc.runtime.layers.linear_weight import LinearWeight, merge
 
 
@@ -16,8 +16,8 @@ class WeightLoader:
     """Reads a model's tensors from an artifact (compressed-tensors or the legacy GPTQ and AWQ layouts; packed int
     weights stay packed) or a plain HF folder. An artifact with an FP8 kv_cache_scheme gets an FP8 KV cache with its
     k_scale / v_scale; other KV formats are served in the compute dtype. dense: weight-only quantized layers on dense
-    matmuls (`build_linear`). dense_copy_above: int4 layers on torch's CPU kernel also keep their weights dequantized,
-    for steps of more than this many rows (Int4CpuLinear.use_dense_copy)."""
+    matmuls (`build_linear`). dense_copy_above: int4 and float4 layers on CPU kernels also keep their weights
+    dequantized, for steps of more than this many rows (DENSE_COPY_KERNELS' use_dense_copy)."""
 
     def __init__(self, folder: Path, dtype: torch.dtype, device: str, dense: bool = False, dense_copy_above: int | None = None):
         self.reader = CheckpointReader(folder)
@@ -47,8 +47,10 @@ class WeightLoader:
     def linear(self, names: list[str]) -> nn.Module:
         weight = merge([self._linear_weight(name) for name in names])
         module = build_linear([weight], self.dtype, self.device, self.dense)
-        if self.dense_copy_above is not None and isinstance(module, Int4CpuLinear):
-            module.use_dense_copy(weight.weight, self.dense_copy_above)
+        if self.dense_copy_above is not None:
+            for kernel in module.modules():  # EmulatedInputLinear's weight-only kernel too
+                if isinstance(kernel, DENSE_COPY_KERNELS):
+                    kernel.use_dense_copy(weight.weight, self.dense_copy_above)
         return module
 
     def _linear_weight(self, name: str) -> LinearWeight:

@@ -33,13 +33,13 @@ def parametrize(names: str, values: list):
 
 
 from llmc.quant.qtypes import QuantArgs, fake_quantize_activation, quantize_activation, quantize_weight  # noqa: E402
+from llmc.quant.schemes import MXFP4_ARGS, NVFP4_ARGS  # noqa: E402
 from llmc.runtime.layers.attention import (  # noqa: E402
     decode_attention_reference,
     prefill_attention_reference,
     read_kv,
     store_kv,
 )
-from llmc.runtime.layers.int4_triton_linear import Int4TritonLinear  # noqa: E402
 from llmc.runtime.layers.linear import DenseLinear, build_linear  # noqa: E402
 from llmc.runtime.layers.linear_weight import LinearWeight  # noqa: E402
 from llmc.runtime.layers.norm import RMSNorm  # noqa: E402
@@ -49,6 +49,7 @@ from llmc.runtime.layers.triton_act_quant import quantize_activation_triton  # n
 from llmc.runtime.layers.triton_attention import decode_attention_triton  # noqa: E402
 from llmc.runtime.layers.triton_elementwise import rms_norm_triton, rotary_triton  # noqa: E402
 from llmc.runtime.layers.triton_w4a16 import w4a16_matmul  # noqa: E402
+from llmc.runtime.layers.w4a16_triton_linear import W4A16TritonLinear  # noqa: E402
 
 DEVICE = "cuda" if CUDA else "cpu"
 FP8_GEMM = not CUDA or torch.cuda.get_device_capability() >= (8, 9)  # torch._scaled_mm on CUDA needs sm_89+
@@ -133,7 +134,7 @@ def int4_weight(symmetric: bool, out_features: int = 96, in_features: int = 192,
 def check_triton_w4a16_matches_dequantized_weights(dtype, symmetric, group_size, rows, split_k):
     quantized = int4_weight(symmetric, group_size=group_size)
     x = torch.randn(rows, 192, generator=generator(5))
-    linear = Int4TritonLinear(LinearWeight(quantized), dtype, DEVICE)
+    linear = W4A16TritonLinear(LinearWeight(quantized), dtype, DEVICE)
     expected = x.to(dtype).float() @ quantized.dequantize().to(dtype).float().t()
     out = w4a16_matmul(x.to(DEVICE, dtype), linear.packed, linear.scales, linear.zeros, group_size, split_k=split_k)
     assert out.dtype == dtype
@@ -141,13 +142,32 @@ def check_triton_w4a16_matches_dequantized_weights(dtype, symmetric, group_size,
     torch.testing.assert_close(out.float().cpu(), expected, atol=tolerance, rtol=tolerance)
 
 
-def check_int4_triton_linear_is_chosen_on_cuda_only_and_adds_bias():
+def check_w4a16_triton_linear_is_chosen_on_cuda_only_and_adds_bias():
     weight = LinearWeight(int4_weight(False), torch.randn(96, generator=generator(6)))
-    assert Int4TritonLinear.supports(weight, torch.float16, "cuda:0") and not Int4TritonLinear.supports(weight, torch.float16, "cpu")
+    assert W4A16TritonLinear.supports(weight, torch.float16, "cuda:0") and not W4A16TritonLinear.supports(weight, torch.float16, "cpu")
     x = torch.randn(2, 3, 192, generator=generator(7))
-    out = Int4TritonLinear(weight, torch.float16, DEVICE)(x.to(DEVICE, torch.float16))
+    out = W4A16TritonLinear(weight, torch.float16, DEVICE)(x.to(DEVICE, torch.float16))
     expected = DenseLinear(weight, torch.float32, "cpu")(x)
     torch.testing.assert_close(out.float().cpu(), expected, atol=0.05, rtol=0.01)
+
+
+@parametrize("dtype", [torch.float32, torch.float16])
+@parametrize("layout, rows, split_k", [("NVFP4", 1, 1), ("NVFP4", 5, 3), ("MXFP4", 19, 1), ("MXFP4", 2, 2)])
+def check_triton_w4a16_reads_float4_weights(dtype, layout, rows, split_k):
+    weight = torch.randn(96, 192, generator=generator(21))
+    weight[3, 5] = 40.0  # an outlier: one group's scale is large
+    quantized = quantize_weight(weight, QuantArgs(**{"NVFP4": NVFP4_ARGS, "MXFP4": MXFP4_ARGS}[layout]))
+    bias = torch.randn(96, generator=generator(22))
+    x = torch.randn(rows, 192, generator=generator(23))
+    assert W4A16TritonLinear.supports(LinearWeight(quantized, bias), torch.float16, "cuda:0")
+    linear = W4A16TritonLinear(LinearWeight(quantized, bias), dtype, DEVICE)
+    # the kernel's weights are dequantize's float32 products, rounded to the inputs' dtype for the dot
+    expected = x.to(dtype).float() @ quantized.dequantize().to(dtype).float().t()
+    out = w4a16_matmul(x.to(DEVICE, dtype), linear.packed, linear.scales, None, quantized.args.group_size, split_k, float4=True)
+    tolerance = 3e-2 if CUDA and dtype == torch.float32 else TOLERANCE[dtype] * 10
+    torch.testing.assert_close(out.float().cpu(), expected, atol=tolerance * 10, rtol=tolerance)
+    torch.testing.assert_close(linear(x.to(DEVICE, dtype)).float().cpu(), expected + bias.to(dtype).float(),
+                               atol=tolerance * 10, rtol=tolerance)
 
 
 ACTIVATIONS = {
@@ -250,8 +270,11 @@ def compile(kernel, types, constexprs):
     triton.compile(ASTSource(kernel, signature, constexprs), target=GPUTarget("cuda", 90, 32))
 
 w4a16 = {"x": "*bf16", "packed": "*i32", "scales": "*bf16", "zeros": "*bf16"}
-compile(_w4a16_kernel, w4a16 | {"out": "*fp32"}, {"HAS_ZEROS": True, "SPLIT_K": 4, "BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 64})
-compile(_w4a16_kernel, w4a16 | {"out": "*bf16"}, {"HAS_ZEROS": False, "SPLIT_K": 1, "BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 64})
+tiles = {"BLOCK_N": 64, "BLOCK_K": 64}
+compile(_w4a16_kernel, w4a16 | {"out": "*fp32"}, {"HAS_ZEROS": True, "FLOAT4": False, "SPLIT_K": 4, "BLOCK_M": 16} | tiles)
+compile(_w4a16_kernel, w4a16 | {"out": "*bf16"}, {"HAS_ZEROS": False, "FLOAT4": False, "SPLIT_K": 1, "BLOCK_M": 64} | tiles)
+compile(_w4a16_kernel, w4a16 | {"scales": "*fp32", "out": "*bf16"},
+        {"HAS_ZEROS": False, "FLOAT4": True, "SPLIT_K": 1, "BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 16})
 for cache in ("*bf16", "*fp8e4nv"):
     types = {"query": "*bf16", "k_cache": cache, "v_cache": cache, "block_tables": "*i64", "context_lens": "*i64",
              "out": "*bf16", "scale": "fp32", "k_scale": "*fp32", "v_scale": "*fp32"}
