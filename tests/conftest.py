@@ -58,3 +58,24 @@ def trained(tmp_path_factory, distilled) -> tuple[Path, list[list[int]]]:
     folder = tmp_path_factory.mktemp("draft")
     train_medusa(distilled, DraftConfig(num_heads=3, steps=150, batch_size=64, lr=1e-2), folder)
     return folder, [ids[:start] for ids, start in zip(distilled.token_ids, distilled.answer_starts)]
+
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    """Under pytest-xdist (`-n 2`, as .ci/run runs the suite): each test module runs whole on one worker, so that its
+    module fixtures are built once, and the vLLM modules (tests/integration/test_vllm_*.py) share one worker, first:
+    they build one venv, vLLM binds its thread to a core, and together they take longest."""
+    from xdist.scheduler import LoadScopeScheduling
+
+    class ModuleScheduling(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            module = nodeid.split("::", 1)[0]
+            return "vllm" if Path(module).name.startswith("test_vllm_") else module
+
+        def _assign_work_unit(self, node) -> None:
+            if "vllm" in self.workqueue:
+                self.workqueue.move_to_end("vllm", last=False)
+            super()._assign_work_unit(node)
+
+    return ModuleScheduling(config, log)

@@ -24,7 +24,7 @@ import torch
 from helpers import smollm2_available
 from vllm_comparison import (
     AMX,
-    AVX512,
+    DTYPE,
     INT4_OP_MISSING,
     MAX_MODEL_LEN,
     MISSING_KERNEL,
@@ -38,7 +38,6 @@ from vllm_comparison import (
 )
 
 from llmc.external.server_process import free_port
-from llmc.runtime.engine.config import native_bfloat16
 
 pytestmark = [
     pytest.mark.slow,
@@ -56,7 +55,6 @@ FORMATS = {  # recipe, overrides that keep it fast: no eval, the least calibrati
 QUESTIONS = ["What is the capital of France?", "Count from 1 to 10, separated by commas.",
              "Repeat exactly: the quick brown fox jumps over the lazy dog", "What is 2 + 2?"]
 MAX_TOKENS = 16
-DTYPE = "bfloat16" if native_bfloat16("cpu") else "float32"
 # in bfloat16 the engines' kernels round differently (vLLM's GEMMs write bfloat16, llmc's scale a float32 result), so
 # near-tied tokens flip sooner; a misread artifact still differs from the first token
 MIN_IDENTICAL = 3 if DTYPE == "float32" else 2
@@ -64,13 +62,11 @@ MIN_IDENTICAL = 3 if DTYPE == "float32" else 2
 
 XFAILS = {
     "W4A16": pytest.mark.xfail(
-        not AVX512 or AMX, raises=AssertionError if AVX512 else VllmKernelMissing, strict=True,
-        reason="vLLM 0.32.0 CPU runs int4 weights (uint4b8) on CPUWNA16LinearKernel, which calls torch.ops._C.cpu_gemm_wna16: "
-               "an op only its AVX-512 builds (_C, _C_AVX512) register. Without AVX-512 vLLM loads _C_AVX2, which lacks it, and "
-               "the first forward fails. With AMX (bfloat16) it takes its 'amx' path, whose tokens leave the artifact's from the "
+        DTYPE == "float32" or AMX, raises=VllmKernelMissing if DTYPE == "float32" else AssertionError, strict=True,
+        reason=f"{INT4_OP_MISSING}. With AMX (bfloat16) it takes its 'amx' path, whose tokens leave the artifact's from the "
                "first one on half the prompts, where llmc in float32 and bfloat16, on torch's int4 kernel and on dequantized "
                "dense weights, agrees with itself, and transformers reads the quick start artifact like llmc "
-               "(test_integration_smollm2.py); its 'vec' path (AVX-512 without AMX) agrees with llmc"),
+               "(test_integration_smollm2.py); its 'vec' path (AVX-512 BF16 without AMX) agrees with llmc"),
     "W8A16": pytest.mark.xfail(
         raises=VllmKernelMissing, strict=True,
         reason="vLLM 0.32.0 has no CPU kernel for 8-bit int weight-only layers (uint8b128): CPUWNA16 and Zentorch take "

@@ -13,7 +13,7 @@ import pytest
 import torch
 from helpers import llmc_process, smollm2_available
 from transformers import AutoModelForCausalLM, AutoTokenizer, Qwen2Config
-from vllm_comparison import MISSING_KERNEL, NO_INT4_WITHOUT_AVX512, VLLM_VENV, VllmKernelMissing, require_vllm_int4_kernel
+from vllm_comparison import MISSING_KERNEL, NO_INT4_KERNEL, VLLM_VENV, VllmKernelMissing, require_vllm_int4_kernel
 
 from llmc.checkpoints.spec import resolve_model
 
@@ -69,7 +69,7 @@ def eagle3_artifact(venv_build, tmp_path_factory) -> Path:  # the venv builds me
 
 
 @NEEDS_SMOLLM2
-@NO_INT4_WITHOUT_AVX512
+@NO_INT4_KERNEL
 def test_vllm_serves_the_eagle3_draft_as_written(request, vllm_python, tmp_path):
     require_vllm_int4_kernel(vllm_python)  # the target is int4
     result = served_by_both_engines(request.getfixturevalue("eagle3_artifact"), PROMPTS, tmp_path)
@@ -100,7 +100,7 @@ def smollm2_as_qwen2(folder: Path) -> Path:
 
 
 @NEEDS_SMOLLM2
-@NO_INT4_WITHOUT_AVX512
+@NO_INT4_KERNEL
 def test_vllm_serves_an_eagle3_draft_trained_on_a_qwen2_target(venv_build, vllm_python, tmp_path):
     """Beyond Llama: vLLM keeps the same aux layers' features from its own Qwen2 (and so Qwen3) model as llmc's runtime
     from its one model definition, so the head trained on llmc's reads the same there."""

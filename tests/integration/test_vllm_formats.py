@@ -10,11 +10,12 @@ import pytest
 import torch
 from helpers import write_recipe
 from vllm_comparison import (
+    DTYPE,
     MISSING_KERNEL,
-    NO_INT4_WITHOUT_AVX512,
+    NO_INT4_KERNEL,
     VllmKernelMissing,
+    assert_same_up_to_near_ties,
     decisive_checkpoint,
-    first_divergence,
     require_vllm_int4_kernel,
     vllm_greedy_results,
     vllm_has_int4_kernel,
@@ -41,7 +42,7 @@ REFUSALS = {
     "W3A16": "Unsupported quant type uint3b4",
     "W2A16": "Unsupported quant type uint2b2",
 }
-SERVED = ["W4A8"]  # on its int4 CPU kernel (CPUWNA16), which only vLLM's AVX-512 builds have
+SERVED = ["W4A8"]  # on its int4 CPU kernel (CPUWNA16), in bfloat16 only (NO_INT4_KERNEL)
 
 
 class VllmRefuses(Exception):
@@ -66,14 +67,14 @@ def vllm_results(artifacts, vllm_python, tmp_path_factory) -> dict[str, dict]:
     """Each artifact in vLLM, but W4A8's where vLLM has no int4 kernel here (test_vllm_serves_w4a8_as_llmc_does then
     stops on that before asking)."""
     served = [path for scheme, path in artifacts.items() if scheme in REFUSALS or vllm_has_int4_kernel(vllm_python)]
-    return vllm_greedy_results(vllm_python, served, PROMPTS, MAX_TOKENS, "float32", tmp_path_factory.mktemp("vllm-formats-run"))
+    return vllm_greedy_results(vllm_python, served, PROMPTS, MAX_TOKENS, DTYPE, tmp_path_factory.mktemp("vllm-formats-run"))
 
 
 def assert_same_greedy_tokens(artifact: Path, theirs: list[list[int]]) -> None:
-    engine = LLM(str(artifact), EngineConfig(dtype=torch.float32, max_model_len=256, kv_cache_gib=0.1))
+    engine = LLM(str(artifact), EngineConfig(dtype=getattr(torch, DTYPE), max_model_len=256, kv_cache_gib=0.1))
     ours = [output["token_ids"] for output in engine.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=MAX_TOKENS,
                                                                                       ignore_eos=True))]
-    assert [first_divergence(mine, other) for mine, other in zip(ours, theirs)] == [None] * len(PROMPTS)
+    assert_same_up_to_near_ties(artifact, PROMPTS, ours, theirs, artifact.parent.name)
 
 
 @pytest.mark.parametrize("scheme", [pytest.param(scheme, marks=pytest.mark.xfail(raises=VllmRefuses, strict=True, reason=message))
@@ -86,7 +87,7 @@ def test_vllm_refuses_the_formats_it_has_no_cpu_kernel_for(scheme, artifacts, vl
     assert_same_greedy_tokens(artifacts[scheme], result["token_ids"])  # a vLLM that serves it: then it must agree
 
 
-@pytest.mark.parametrize("scheme", [pytest.param(scheme, marks=NO_INT4_WITHOUT_AVX512) for scheme in SERVED])
+@pytest.mark.parametrize("scheme", [pytest.param(scheme, marks=NO_INT4_KERNEL) for scheme in SERVED])
 def test_vllm_serves_w4a8_as_llmc_does(scheme, artifacts, vllm_python, request):
     require_vllm_int4_kernel(vllm_python)
     result = request.getfixturevalue("vllm_results")[scheme]

@@ -243,13 +243,14 @@ def test_a_pause_is_caught_up_off_the_clock_of_the_step_that_resumes_drafting(ti
     engine = eagle_paused_for_8_steps(tiny_llama, trained_eagle)
     speculator = engine.runner.speculator
     joined, recorded = Observed.joined, []
-    monkeypatch.setattr(Observed, "joined", classmethod(lambda cls, items: time.sleep(0.3) or joined(items)))
+    catch_up_s = 2.0  # well above a step of this tiny model, even a first drafting one on a loaded machine
+    monkeypatch.setattr(Observed, "joined", classmethod(lambda cls, items: time.sleep(catch_up_s) or joined(items)))
     record = speculator.governor.record
     monkeypatch.setattr(speculator.governor, "record", lambda *args: recorded.append(args) or record(*args))
     engine.generate([prompts[0]], SamplingParams(temperature=0, max_tokens=24, ignore_eos=True))
     resumed = next(index for index, (_, drafted, _, _) in enumerate(recorded) if index > 3 and drafted)
     assert [drafted for _, drafted, _, _ in recorded[resumed - 8 : resumed]] == [False] * 8
-    assert all(seconds < 0.3 for *_, seconds in recorded), recorded
+    assert all(seconds < catch_up_s for *_, seconds in recorded), recorded
 
 
 def test_a_step_is_charged_for_drafting_the_trees_it_verifies_not_the_next_ones(tiny_llama, trained, monkeypatch):
@@ -282,6 +283,10 @@ def test_governor_measures_drafting_by_its_decision_even_when_an_unsure_draft_pr
     """Drafting with a confidence threshold the draft never reaches only costs: those steps count as drafted, so the
     governor measures that and stops; counted as plain by their empty trees, drafting would never be measured."""
     engine = build(tiny_llama, speculative=trained_eagle, adaptive_speculation=True, speculative_min_confidence=0.99)
+    proposer = engine.runner.speculator.proposer
+    propose = proposer.propose
+    # a draft's cost well above the timing noise of a loaded machine, as a draft's is on a real model
+    proposer.propose = lambda observed, drafting: (time.sleep(0.05) if drafting else None) or propose(observed, drafting)
     decisions = []
     should_draft = engine.runner.speculator.governor.should_draft
     engine.runner.speculator.governor.should_draft = lambda num_seqs: decisions.append(should_draft(num_seqs)) or decisions[-1]
