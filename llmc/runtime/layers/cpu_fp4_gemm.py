@@ -29,14 +29,15 @@ static const int8_t DOUBLED_E2M1[16] = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, 
 // rows R of x (float32, stride in_features) times one output row's packed codes: R dot products
 template <int R>
 static void dot_rows(const float* x, int64_t in_features, const uint8_t* codes, const float* half_scales,
-                     int64_t group_size, float* sums) {
+                     int group_shift, float* sums) {
 #if defined(__AVX2__) && defined(__FMA__)
   const __m128i table = _mm_loadu_si128(reinterpret_cast<const __m128i*>(DOUBLED_E2M1));
   const __m128i low_nibble = _mm_set1_epi8(0x0F);
-  __m256 acc[R];
-  for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
+  // two accumulators a row: each FMA chain then waits on every other FMA's latency, not on each one's
+  __m256 acc[R], acc_high[R];
+  for (int r = 0; r < R; ++r) acc[r] = acc_high[r] = _mm256_setzero_ps();
   for (int64_t k = 0; k < in_features; k += 16) {
-    const __m256 scale = _mm256_set1_ps(half_scales[k / group_size]);
+    const __m256 scale = _mm256_set1_ps(half_scales[k >> group_shift]);
     const __m128i bytes = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(codes + k / 2));
     const __m128i nibbles = _mm_unpacklo_epi8(_mm_and_si128(bytes, low_nibble),
                                               _mm_and_si128(_mm_srli_epi16(bytes, 4), low_nibble));
@@ -45,11 +46,12 @@ static void dot_rows(const float* x, int64_t in_features, const uint8_t* codes, 
     const __m256 w1 = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(values, 8))), scale);
     for (int r = 0; r < R; ++r) {
       acc[r] = _mm256_fmadd_ps(w0, _mm256_loadu_ps(x + r * in_features + k), acc[r]);
-      acc[r] = _mm256_fmadd_ps(w1, _mm256_loadu_ps(x + r * in_features + k + 8), acc[r]);
+      acc_high[r] = _mm256_fmadd_ps(w1, _mm256_loadu_ps(x + r * in_features + k + 8), acc_high[r]);
     }
   }
   for (int r = 0; r < R; ++r) {
-    const __m128 half = _mm_add_ps(_mm256_castps256_ps128(acc[r]), _mm256_extractf128_ps(acc[r], 1));
+    const __m256 sum = _mm256_add_ps(acc[r], acc_high[r]);
+    const __m128 half = _mm_add_ps(_mm256_castps256_ps128(sum), _mm256_extractf128_ps(sum, 1));
     const __m128 pairs = _mm_add_ps(half, _mm_movehl_ps(half, half));
     sums[r] = _mm_cvtss_f32(_mm_add_ss(pairs, _mm_movehdup_ps(pairs)));
   }
@@ -57,7 +59,7 @@ static void dot_rows(const float* x, int64_t in_features, const uint8_t* codes, 
   for (int r = 0; r < R; ++r) sums[r] = 0.0f;
   for (int64_t k = 0; k < in_features; ++k) {
     const uint8_t byte = codes[k / 2];
-    const float w = DOUBLED_E2M1[(k % 2) ? (byte >> 4) : (byte & 0x0F)] * half_scales[k / group_size];
+    const float w = DOUBLED_E2M1[(k % 2) ? (byte >> 4) : (byte & 0x0F)] * half_scales[k >> group_shift];
     for (int r = 0; r < R; ++r) sums[r] += w * x[r * in_features + k];
   }
 #endif
@@ -67,7 +69,9 @@ static void dot_rows(const float* x, int64_t in_features, const uint8_t* codes, 
 // -> [rows, out] in x's dtype
 torch::Tensor fp4_matmul(torch::Tensor x, torch::Tensor codes, torch::Tensor half_scales, int64_t group_size) {
   TORCH_CHECK(codes.dtype() == torch::kUInt8 && half_scales.dtype() == torch::kFloat32, "fp4_matmul: uint8 codes, float32 scales");
-  TORCH_CHECK(x.size(1) == 2 * codes.size(1) && x.size(1) % 16 == 0 && group_size % 16 == 0, "fp4_matmul: shapes");
+  TORCH_CHECK(x.size(1) == 2 * codes.size(1) && x.size(1) % 16 == 0 && group_size >= 16 && (group_size & (group_size - 1)) == 0,
+              "fp4_matmul: shapes (groups of a power of two from 16)");
+  const int group_shift = __builtin_ctzll(group_size);  // k / group_size as a shift: a division per 16 codes costs more than they do
   const torch::Tensor inputs = x.to(torch::kFloat32).contiguous();
   const int64_t rows = inputs.size(0), in_features = inputs.size(1), out_features = codes.size(0);
   torch::Tensor out = torch::empty({rows, out_features}, inputs.options());
@@ -83,11 +87,11 @@ torch::Tensor fp4_matmul(torch::Tensor x, torch::Tensor codes, torch::Tensor hal
       const float* row_scales = scale_data + o * groups;
       int64_t r = 0;
       for (; r + 4 <= rows; r += 4) {
-        dot_rows<4>(x_data + r * in_features, in_features, row_codes, row_scales, group_size, sums);
+        dot_rows<4>(x_data + r * in_features, in_features, row_codes, row_scales, group_shift, sums);
         for (int j = 0; j < 4; ++j) out_data[(r + j) * out_features + o] = sums[j];
       }
       for (; r < rows; ++r) {
-        dot_rows<1>(x_data + r * in_features, in_features, row_codes, row_scales, group_size, sums);
+        dot_rows<1>(x_data + r * in_features, in_features, row_codes, row_scales, group_shift, sums);
         out_data[r * out_features + o] = sums[0];
       }
     }
