@@ -3,7 +3,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from llmc.quant.qtypes import QuantizedWeight
+from llmc.quant.qtypes import QuantizedWeight, static_input_name
 
 
 @dataclass(slots=True)
@@ -38,7 +38,8 @@ def _stackable(weights: list) -> bool:
 
 def merge(parts: list[LinearWeight]) -> LinearWeight:
     """Stack projections that read the same input (q/k/v, gate/up) into one matmul. Static input scales of parts
-    that read the same input are calibrated on the same activations; should they differ, the largest serves all."""
+    that read the same input are calibrated on the same activations; should they differ, the one covering the widest
+    range serves all (the largest scale, or NVFP4's smallest global scale)."""
     if len(parts) == 1:
         return parts[0]
     weights = [part.weight for part in parts]
@@ -53,6 +54,11 @@ def merge(parts: list[LinearWeight]) -> LinearWeight:
     bias = None
     if any(part.bias is not None for part in parts):
         bias = torch.cat([part.bias if part.bias is not None else torch.zeros(part.out_features) for part in parts])
-    input_scales = [part.input_scale for part in parts if part.input_scale is not None]
-    input_scale = torch.stack([scale.reshape(()) for scale in input_scales]).amax().reshape(1) if input_scales else None
+    calibrated = [part for part in parts if part.input_scale is not None]
+    input_scale = None
+    if calibrated:
+        stacked = torch.stack([part.input_scale.reshape(()) for part in calibrated])
+        # a global scale divides the range it covers: the smallest covers the widest
+        is_global = static_input_name(calibrated[0].weight.input_activations) == "input_global_scale"
+        input_scale = (stacked.amin() if is_global else stacked.amax()).reshape(1)
     return LinearWeight(weight, bias, input_scale)

@@ -7,7 +7,7 @@ from llmc.runtime.layers.attention import DecodeRows, ScoreShape, decode_attenti
 from llmc.runtime.layers.cpu_attention import attend_rows_cpu, compiled_kernel, decode_attention_cpu
 from llmc.runtime.layers.int4_amx import amx_available
 from llmc.runtime.layers.linear import DenseLinear, Int4CpuLinear, Int8CpuLinear, build_linear
-from llmc.runtime.layers.linear_weight import LinearWeight
+from llmc.runtime.layers.linear_weight import LinearWeight, merge
 from llmc.runtime.layers.norm import RMSNorm
 from llmc.runtime.layers.quantized_input_linear import QuantizedInputLinear
 from llmc.runtime.layers.rotary import RotaryEmbedding
@@ -114,6 +114,18 @@ def test_merged_projections_split_back_to_each_output():
     torch.testing.assert_close(first, F.linear(x, parts[0].weight.dequantize(), parts[0].bias))
     torch.testing.assert_close(second, x @ parts[1].weight.dequantize().t())
     torch.testing.assert_close(third, x @ parts[2].weight.t())
+
+
+def test_merged_input_scales_keep_the_widest_range():
+    static_fp8 = QuantArgs(num_bits=8, type="float", strategy="tensor")
+    nvfp4 = QuantArgs(type="float", num_bits=4, strategy="tensor_group", group_size=16, dynamic="local", scale_dtype="float8_e4m3fn")
+    for acts, widest in ((static_fp8, 0.2), (nvfp4, 2.0)):  # a larger scale, or a smaller global scale, covers more
+        parts = []
+        for seed, scale in ((1, 0.2 if acts is static_fp8 else 2.0), (2, 0.1 if acts is static_fp8 else 4.0)):
+            weight = quantized(32, seed=seed)
+            weight.input_activations = acts
+            parts.append(LinearWeight(weight, None, torch.tensor([scale])))
+        assert merge(parts).input_scale.item() == pytest.approx(widest)
 
 
 def paged_cache(seed=0, num_blocks=12, dtype=torch.float32, num_kv_heads=2, head_dim=16):
