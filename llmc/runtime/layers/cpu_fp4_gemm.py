@@ -128,7 +128,7 @@ class Fp4CpuLinear(nn.Module):
             and quantized.args.is_fp4
             and quantized.g_idx is None
             and quantized.input_activations is None
-            and quantized.codes.shape[1] % 16 == 0
+            and quantized.codes.shape[1] % quantized.args.group_size == 0  # the kernel's scale rows hold whole groups
             and KERNEL.get() is not None
         )
 
