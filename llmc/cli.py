@@ -131,11 +131,15 @@ def quantize(recipe: Path, output: str | None, overrides: tuple[str, ...], overw
 @click.option("--histogram", type=click.Path(path_type=Path), help="With --speculative: the accepted-length histogram (PNG).")
 @click.option("--vllm", metavar="VENV|EXECUTABLE",
               help="With --speculative: also measure the draft in vLLM (its venv or `vllm` executable), chains on both sides.")
+@click.option("--vllm-arg", "vllm_args", multiple=True, metavar="ARG",
+              help="With --vllm: an argument of `vllm serve` for both its runs, e.g. --vllm-arg=--enforce-eager; repeat for more.")
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
 @DEVICE_OPTION
 @with_options(SPECULATIVE_SHAPE_OPTIONS)
 def evaluate(**options) -> None:
     """Evaluate TARGETS (model specs or artifacts) side by side; the first is the baseline."""
+    if options["vllm_args"] and options["vllm"] is None:
+        raise LlmcError(f"--vllm-arg {' '.join(options['vllm_args'])}: only with --vllm")
     if options["speculative"] is not None:
         evaluate_draft(options_as(DraftEval, options))
         return
@@ -203,6 +207,7 @@ class DraftEval:
     concurrency: int
     histogram: Path | None
     vllm: str | None
+    vllm_args: tuple[str, ...]
     gate: tuple[str, ...]
     as_json: bool
     device: str
@@ -224,7 +229,8 @@ def evaluate_draft(options: DraftEval) -> None:
     target = options.targets[0]
     draft_gate = speculative_gate(list(options.gate))
     result = evaluate_speculative(target, options.speculative, options.prompts_file, options.num_prompts, options.max_tokens,
-                                  options.concurrency, options.histogram, options.shape, chosen_device(options.device), options.vllm)
+                                  options.concurrency, options.histogram, options.shape, chosen_device(options.device), options.vllm,
+                                  options.vllm_args)
     if options.as_json:
         click.echo(json.dumps(result, indent=2))
     else:

@@ -96,10 +96,11 @@ def vllm_chain(shape: dict) -> dict:
 
 def evaluate_speculative(target: str, speculative: str, prompts_file: Path | None, num_prompts: int, max_tokens: int,
                          concurrency: int, histogram: Path | None, shape: dict, device: torch.device | str = "cpu",
-                         vllm: str | None = None) -> dict:
+                         vllm: str | None = None, vllm_args: tuple[str, ...] = ()) -> dict:
     """`llmc eval TARGET --speculative auto|DRAFT_DIR`: speculative_eval on the file's first distinct prompts (chat
     template, bfloat16), the accepted-length histogram drawn to `histogram` when given; with `vllm` (its venv or
-    executable), the same draft measured in vLLM on the same prompt token ids, side by side."""
+    executable), the same draft measured in vLLM on the same prompt token ids, side by side, `vllm_args` added to
+    each `vllm serve`."""
     if prompts_file is None:
         raise LlmcError("--speculative needs --prompts FILE (e.g. MT-bench question.jsonl)")
     draft = draft_folder(target, speculative)
@@ -118,7 +119,8 @@ def evaluate_speculative(target: str, speculative: str, prompts_file: Path | Non
     if vllm is not None:
         from llmc.evals.vllm_speculative import vllm_speculative_eval
 
-        theirs = vllm_speculative_eval(target, draft, result["prompt_token_ids"], max_tokens, shape["num_speculative_tokens"], vllm)
+        theirs = vllm_speculative_eval(target, draft, result["prompt_token_ids"], max_tokens, shape["num_speculative_tokens"], vllm,
+                                       vllm_args)
         theirs["identical_to_llmc"] = sum(a == b for a, b in zip(theirs.pop("outputs"), result["outputs"]))
         theirs["accepted_length_ratio"] = theirs["mean_accepted_length"] / result["mean_accepted_length"]
         result["vllm"] = theirs

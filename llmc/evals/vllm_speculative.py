@@ -88,19 +88,20 @@ def spec_counters(url: str) -> dict[str, float]:
 
 
 def vllm_speculative_eval(model: str, draft: Path, prompts: list[list[int]], max_tokens: int, num_speculative_tokens: int,
-                          vllm: str) -> dict:
-    """vLLM's numbers for the draft in `draft` (its exported vllm/ folder, or an export made here) on these prompts;
-    the servers' logs stay in a temporary folder the result names."""
+                          vllm: str, vllm_args: tuple[str, ...] = ()) -> dict:
+    """vLLM's numbers for the draft in `draft` (its exported vllm/ folder, or an export made here) on these prompts,
+    each `vllm serve` given `vllm_args` too; the servers' logs stay in a temporary folder the result names."""
     executable = vllm_executable(vllm)
     method = read_draft_config(draft)["method"]
     work = Path(tempfile.mkdtemp(prefix="llmc-vllm-eval-"))
     exported = draft / VLLM_DIR
     if not (exported / "config.json").is_file():
         exported = export_for_vllm(draft, work / VLLM_DIR)
-    with vllm_server(executable, model, [], work / "plain.log") as url:
+    with vllm_server(executable, model, list(vllm_args), work / "plain.log") as url:
         plain, plain_s = generate(url, prompts, max_tokens)
     spec_config = {"method": VLLM_METHODS[method], "model": str(exported), "num_speculative_tokens": num_speculative_tokens}
-    with vllm_server(executable, model, ["--speculative-config", json.dumps(spec_config)], work / "speculative.log") as url:
+    speculative_args = [*vllm_args, "--speculative-config", json.dumps(spec_config)]
+    with vllm_server(executable, model, speculative_args, work / "speculative.log") as url:
         before = spec_counters(url)
         speculative, speculative_s = generate(url, prompts, max_tokens)
         after = spec_counters(url)  # minus the warm-up request's drafts

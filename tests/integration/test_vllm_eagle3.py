@@ -23,6 +23,9 @@ ROOT = Path(__file__).resolve().parents[2]
 PROMPTS = ROOT / "calib_data" / "sampled_prompts.jsonl"
 NUM_PROMPTS = 4
 MAX_TOKENS = 48
+# vLLM's CPU build compiles the model with inductor at startup, ~70 s of the ~105 s each server takes on 2 cores; the
+# tests check tokens and acceptance, not vLLM's speed
+EAGER = ["--vllm-arg=--enforce-eager"]
 
 
 def llmc(*args: str, home: Path) -> subprocess.CompletedProcess:
@@ -41,7 +44,7 @@ def served_by_both_engines(artifact: Path, prompts: Path, home: Path) -> dict:
     """`llmc eval --speculative --vllm` on the artifact's draft, its checks that hold for any head."""
     assert (artifact / "draft" / "vllm" / "config.json").is_file()
     run = llmc("eval", str(artifact), "--speculative", "auto", "--prompts", str(prompts), "--num-prompts", str(NUM_PROMPTS),
-               "--max-tokens", str(MAX_TOKENS), "--vllm", str(VLLM_VENV), "--json", home=home)
+               "--max-tokens", str(MAX_TOKENS), "--vllm", str(VLLM_VENV), *EAGER, "--json", home=home)
     log = re.search(r"\(log (\S+)\)", run.stderr)
     if run.returncode and log and Path(log.group(1)).is_file() and MISSING_KERNEL.search(Path(log.group(1)).read_text()):
         raise VllmKernelMissing(run.stderr[-1000:])

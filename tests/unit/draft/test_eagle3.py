@@ -319,6 +319,8 @@ def test_draft_gate_and_vllm_options_are_refused_where_they_cannot_hold(tmp_path
     refusals = {
         ("--perplexity", str(eval_file), "--gate", "min_accepted_length=2"): "goes with --speculative",
         ("--perplexity", str(eval_file), "--vllm", "vllm"): "--vllm measures a draft in vLLM",
+        ("--speculative", str(eagle3_folder), "--prompts", str(calib_file), "--vllm-arg=--enforce-eager"):
+            "--vllm-arg --enforce-eager: only with --vllm",
         ("--speculative", str(medusa), "--prompts", str(calib_file), "--gate", "max_kl=1"): "its gate is min_accepted_length",
         ("--speculative", str(medusa), "--prompts", str(calib_file), "--vllm", sys.executable): "vLLM cannot serve",
         ("--speculative", str(medusa), "--prompts", str(calib_file), "--vllm", str(tmp_path / "nowhere")): "vLLM not found",
