@@ -47,14 +47,15 @@ def check_vllm_inputs(draft: Path, vllm: str) -> None:
 
 @contextmanager
 def vllm_server(executable: str, model: str, extra: list[str], log: Path) -> Iterator[str]:
-    """`vllm serve MODEL` on a free local port with both cores, once it answers; its base URL. Stopped on the way out."""
+    """`vllm serve MODEL` on a free local port with every core (unless the environment's own VLLM_CPU_* settings say
+    otherwise), once it answers; its base URL. Stopped on the way out."""
     port = free_port()
     folder = vllm_model(model)
     command = [executable, "serve", folder, "--host", "127.0.0.1", "--port", str(port), "--served-model-name", SERVED_NAME,
                "--dtype", "bfloat16", "--max-num-seqs", "1", "--no-enable-prefix-caching", "--max-model-len",
                str(served_length(folder)), *extra]
     cores = os.cpu_count() or 1
-    env = os.environ | {"VLLM_CPU_OMP_THREADS_BIND": f"0-{cores - 1}", "VLLM_CPU_NUM_OF_RESERVED_CPU": "0", "VLLM_CPU_KVCACHE_SPACE": "2"}
+    env = {"VLLM_CPU_OMP_THREADS_BIND": f"0-{cores - 1}", "VLLM_CPU_NUM_OF_RESERVED_CPU": "0", "VLLM_CPU_KVCACHE_SPACE": "2"} | os.environ
     url = f"http://127.0.0.1:{port}"
     with served("vllm serve", command, env, log, f"{url}/health", STARTUP_TIMEOUT_S):
         yield url
