@@ -2,8 +2,8 @@
 argv: REQUEST RESULTS. REQUEST (JSON): {"artifacts", "prompts" (token id lists), "max_tokens", "max_model_len", "dtype"}.
 RESULTS gets a JSON line per artifact: {"artifact", "token_ids", "generate_s"}, or {"artifact", "error"} when vLLM
 cannot load or run it. vLLM's log goes to stdout and stderr, each artifact's part after a line `=== ARTIFACT`.
-The artifacts share one process (a new one after an artifact fails): with VLLM_ENABLE_V1_MULTIPROCESSING=0 and the
-"uni" executor vLLM's engine runs in it, so no engine or worker process is started per artifact."""
+vLLM is imported once and each artifact runs in a child forked from that process: with VLLM_ENABLE_V1_MULTIPROCESSING=0
+and the "uni" executor vLLM's engine runs in the child, so no engine or worker process is started per artifact."""
 import gc
 import json
 import os
@@ -29,23 +29,34 @@ def generate(artifact: str, request: dict) -> dict:
         gc.collect()
 
 
+def run_in_child(artifact: str, request: dict, results) -> None:
+    """generate() in a child forked from this process, which has imported vLLM once: a load that fails half-way leaves
+    vLLM's process state broken, and only the child's ends with it."""
+    pid = os.fork()
+    if pid == 0:
+        try:
+            result = generate(artifact, request)
+        except Exception as error:
+            traceback.print_exc()
+            result = {"error": f"{type(error).__name__}: {error}"}
+        results.write(json.dumps({"artifact": artifact} | result) + "\n")
+        results.flush()
+        sys.stderr.flush()
+        os._exit(0)
+    _, status = os.waitpid(pid, 0)
+    if status != 0:
+        results.write(json.dumps({"artifact": artifact, "error": f"vLLM's process ended with wait status {status}"}) + "\n")
+        results.flush()
+
+
 if __name__ == "__main__":
+    from vllm import LLM, SamplingParams  # noqa: F401  (once, before the forks)
+    from vllm.inputs import TokensPrompt  # noqa: F401
+
     request_path, results_path = sys.argv[1:]
     with open(request_path) as file:
         request = json.load(file)
     with open(results_path, "a") as results:
-        for index, artifact in enumerate(request["artifacts"]):
+        for artifact in request["artifacts"]:
             print(f"=== {artifact}", file=sys.stderr, flush=True)
-            try:
-                result = generate(artifact, request)
-            except Exception as error:
-                traceback.print_exc()
-                result = {"error": f"{type(error).__name__}: {error}"}
-            results.write(json.dumps({"artifact": artifact} | result) + "\n")
-            results.flush()
-            remaining = request["artifacts"][index + 1 :]
-            if "error" in result and remaining:
-                # a load that failed half-way leaves vLLM's process state broken for the next one: go on in a new process
-                with open(request_path, "w") as file:
-                    json.dump(request | {"artifacts": remaining}, file)
-                os.execv(sys.executable, [sys.executable, __file__, request_path, results_path])
+            run_in_child(artifact, request, results)
