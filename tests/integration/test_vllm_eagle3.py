@@ -66,7 +66,8 @@ def served_by_both_engines(artifact: Path, prompts: Path, home: Path) -> dict:
 def eagle3_artifact(venv_build, tmp_path_factory) -> Path:  # the venv builds meanwhile
     folder = tmp_path_factory.mktemp("vllm-eagle3")
     artifact = folder / "w4a16"
-    run = llmc("quantize", str(ROOT / "recipes" / "smollm2-w4a16-rtn.yaml"), "--output", str(artifact),
+    model = resolve_model("smollm2-135m")  # converted once in the default LLMC_HOME, not again in the test's own
+    run = llmc("quantize", str(ROOT / "recipes" / "smollm2-w4a16-rtn.yaml"), "--output", str(artifact), "--set", f"model={model}",
                "--set", "calibration=", "--set", "eval.perplexity=", home=folder / "home")
     assert run.returncode == 0, run.stderr[-3000:]
     train_eagle3(artifact, PROMPTS, folder / "home")
