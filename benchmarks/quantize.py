@@ -71,8 +71,8 @@ FORMAT_STAGES = {f"{preset} RTN": preset_stage("rtn", preset) for preset in NEW_
     f"{preset} GPTQ mse": preset_stage("gptq", preset, "mse") for preset in NEW_PRESETS
 } | {f"{preset} GPTQ": preset_stage("gptq", preset) for preset in NEW_PRESETS} | {
     "W4A8 SmoothQuant GPTQ mse": "  - type: smoothquant\n" + preset_stage("gptq", "W4A8", "mse"),
-     "W4AFP8 SmoothQuant GPTQ mse": "  - type: smoothquant\n" + preset_stage("gptq", "W4AFP8", "mse"),
-     "W4A16 GPTQ mse": preset_stage("gptq", "W4A16", "mse")}
+    "W4AFP8 SmoothQuant GPTQ mse": "  - type: smoothquant\n" + preset_stage("gptq", "W4AFP8", "mse"),
+    "W4A16 GPTQ mse": preset_stage("gptq", "W4A16", "mse")}
 BF16_PASSES = "  dtype: bfloat16\n"  # continues the calibration section: forward passes in bfloat16
 SUITES = {
     "w4a16": ({name: f"stages:\n{stages}" for name, stages in LLMC.items()}, LLMCOMPRESSOR),
