@@ -72,6 +72,8 @@ def to_ct_args(args: QuantArgs) -> QuantizationArgs:
 
 
 def kv_cache_ct_args(args: QuantArgs) -> QuantizationArgs:
+    if args.strategy == "tensor_group":  # NVFP4: the preset's input activation arguments, as compressed-tensors writes them
+        return to_ct_args(args)
     strategy = "attn_head" if args.strategy == "channel" else "tensor"
     return QuantizationArgs(num_bits=8, type=args.type, symmetric=True, strategy=strategy, dynamic=False)
 

@@ -32,5 +32,7 @@ def kv_cache_args_from_config(quantization_config: dict) -> QuantArgs | None:
     scheme = quantization_config.get("kv_cache_scheme")
     if not scheme:
         return None
+    if scheme["strategy"] == "tensor_group":
+        return from_ct_args(scheme)
     strategy = "channel" if scheme["strategy"] == "attn_head" else "tensor"
     return QuantArgs(num_bits=8, type=scheme["type"], strategy=strategy)

@@ -1,6 +1,6 @@
 """Reading an artifact back: quantized Linears (compressed-tensors, or the legacy GPTQ and AWQ layouts) are unpacked
 and dequantized with llmc's own arithmetic; what quantizes activations and the KV cache at run time (formats,
-static input scales, k_scale / v_scale) is read alongside for evaluation to emulate."""
+static input scales, the KV cache's scales) is read alongside for evaluation to emulate."""
 import json
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -13,13 +13,13 @@ from llmc.artifact.ct_config import kv_cache_args_from_config, schemes_from_conf
 from llmc.artifact.gptq_format import args_from_gptq_config, read_gptq_weight
 from llmc.artifact.pack import from_e8m0, unpack_e2m1, unpack_int32
 from llmc.checkpoints.checkpoint_reader import CheckpointReader
-from llmc.quant.qtypes import QuantArgs, QuantizedWeight, static_input_name
+from llmc.quant.qtypes import QuantArgs, QuantizedWeight, kv_scale_names, static_input_name
 from llmc.quant.targets import matches
 
 DRAFT_DIR = "draft"  # the draft heads, inside the artifact
 PACKED_SUFFIX = ".weight_packed"
 QUANT_METHODS = ("compressed-tensors", "gptq", "awq")
-KV_SCALES = ("k_scale", "v_scale")
+KV_SCALES = ("k_scale", "v_scale", "k_global_scale", "v_global_scale")
 
 
 @dataclass
@@ -125,11 +125,13 @@ def runtime_quantization(folder: Path) -> RuntimeQuantization:
             if acts is not None:
                 static = static_input_name(acts)
                 inputs[module] = (acts, None if static is None else reader.tensor(f"{module}.{static}").float())
-    kv_scales = {
-        name.removesuffix(".k_scale"): (reader.tensor(name).float(), reader.tensor(name.replace(".k_scale", ".v_scale")).float())
-        for name in reader.file_of if name.endswith(".k_scale")
-    }
-    return RuntimeQuantization(inputs, kv_cache_args_from_config(quantization), kv_scales)
+    kv_cache = kv_cache_args_from_config(quantization)
+    kv_scales = {}
+    if kv_cache is not None:
+        k_name, v_name = kv_scale_names(kv_cache)
+        kv_scales = {name.removesuffix(f".{k_name}"): (reader.tensor(name).float(), reader.tensor(name.replace(k_name, v_name)).float())
+                     for name in reader.file_of if name.endswith(f".{k_name}")}
+    return RuntimeQuantization(inputs, kv_cache, kv_scales)
 
 
 QUANTIZED_MODULE = torch.nn.Linear(1, 1, device="meta")  # what every quantized tensor group of an artifact belongs to

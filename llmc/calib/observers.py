@@ -1,7 +1,7 @@
 """Calibrated scales taken on a layer's final pass (weights already quantized, what inference will see): per-tensor
 input scales for Linears with static activations (NVFP4's: the global scale of its dynamic group scales), and the KV
 cache's k_scale / v_scale. They become buffers of the modules (`<linear>.input_scale` or `input_global_scale`,
-`<attention>.k_scale` / `v_scale`), so the artifact writer stores them."""
+`<attention>.k_scale` / `v_scale`, NVFP4's `k_global_scale` / `v_global_scale`), so the artifact writer stores them."""
 from contextlib import contextmanager
 
 import torch
@@ -9,7 +9,7 @@ from torch import nn
 
 from llmc.quant.kvcache import KVObserver
 from llmc.quant.layer import recording
-from llmc.quant.qtypes import QuantArgs, compute_qparams, global_scale_of, static_input_name
+from llmc.quant.qtypes import QuantArgs, compute_qparams, global_scale_of, kv_scale_names, static_input_name
 from llmc.quant.ranks import SINGLE, Ranks
 
 
@@ -44,6 +44,5 @@ def observing_scales(layer: nn.Module, prefix: str, static_inputs: dict[str, Qua
         linear.register_buffer(static_input_name(args), scale.reshape(1))
     if observer is not None:
         observer.absmax = [ranks.max(absmax) for absmax in observer.absmax]
-        k_scale, v_scale = observer.scales()
-        attention.register_buffer("k_scale", k_scale)
-        attention.register_buffer("v_scale", v_scale)
+        for name, scale in zip(kv_scale_names(kv_args), observer.scales()):
+            attention.register_buffer(name, scale)

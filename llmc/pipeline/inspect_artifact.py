@@ -50,7 +50,9 @@ def print_artifact(info: dict, console: Console) -> None:
                        weights["strategy"], str(weights.get("group_size") or "-"), activations)
     console.print(groups)
     kv = info["kv_cache_scheme"]
-    if kv:
+    if kv and kv["strategy"] == "tensor_group":
+        console.print("KV cache: NVFP4 (float4 in groups of 16, one global scale per tensor)")
+    elif kv:
         console.print(f"KV cache: {kv['type']}{kv['num_bits']}, one scale per {'head' if kv['strategy'] == 'attn_head' else 'tensor'}")
     console.print(f"left in full precision: {', '.join(info['ignore']) or 'nothing'}")
     calibration = manifest.get("calibration")

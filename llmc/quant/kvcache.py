@@ -1,7 +1,8 @@
 """KV-cache quantization: keys and values, as attention stores them (after the rotary embedding), pass through a
 per-module hook before scaled-dot-product attention: an observer during calibration, a quantize-dequantize with
 the calibrated k_scale / v_scale during evaluation. Scales are one per tensor ([1]) or one per KV head
-([heads, 1, 1]), compressed-tensors' `tensor` and `attn_head` strategies."""
+([heads, 1, 1]), compressed-tensors' `tensor` and `attn_head` strategies; NVFP4 calibrates one global scale per tensor
+and computes its group scales as the values are quantized."""
 
 import torch
 from torch import nn
@@ -9,7 +10,7 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-from llmc.quant.qtypes import QuantArgs, compute_qparams, dequantize, quantize
+from llmc.quant.qtypes import QuantArgs, compute_qparams, dequantize, fake_quantize_activation, global_scale_of, quantize
 
 KV_ATTENTION = "llmc_kv_attention"  # no "sdpa" in the name: transformers would refuse it for Gemma 2
 
@@ -62,11 +63,15 @@ def _flat(states: torch.Tensor, args: QuantArgs) -> torch.Tensor:
 
 
 def kv_scale(absmax: torch.Tensor, args: QuantArgs) -> torch.Tensor:
+    if args.dynamic == "local":  # NVFP4: the global scale its group scales are computed under
+        return global_scale_of(absmax)
     scale, _ = compute_qparams(-absmax, absmax, args, torch.float32)
     return scale.reshape(-1, 1, 1) if args.strategy == "channel" else scale
 
 
 def fake_quantize_kv(states: torch.Tensor, scale: torch.Tensor, args: QuantArgs) -> torch.Tensor:
+    if args.dynamic == "local":  # NVFP4: groups of 16 along each head's features
+        return fake_quantize_activation(states, args, scale)
     flat = _flat(states, args)
     scale = scale.float().reshape(-1, 1) if args.strategy == "channel" else scale.float().reshape(1)
     zero_point = torch.zeros_like(scale, dtype=torch.int8)

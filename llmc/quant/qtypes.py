@@ -139,6 +139,11 @@ def static_input_name(acts: QuantArgs | None) -> str | None:
     return "input_global_scale" if acts.dynamic == "local" else "input_scale"
 
 
+def kv_scale_names(kv_cache: QuantArgs) -> tuple[str, str]:
+    """The attention module's calibrated KV tensors: k_scale / v_scale, or NVFP4's k_global_scale / v_global_scale."""
+    return ("k_global_scale", "v_global_scale") if kv_cache.dynamic == "local" else ("k_scale", "v_scale")
+
+
 @dataclass
 class QuantizedWeight:
     codes: torch.Tensor  # int8, or float8_e4m3fn holding E4M3 or E2M1 values; same shape as the weight

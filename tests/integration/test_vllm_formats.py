@@ -41,7 +41,11 @@ REFUSALS = {
     "W4AFP8": "No compressed-tensors compatible scheme was found",
     "W3A16": "Unsupported quant type uint3b4",
     "W2A16": "Unsupported quant type uint2b2",
+    # W8A8 weights (served on the CPU) with `kv_cache: {dtype: nvfp4}`: vLLM's compressed-tensors loader takes FP8 KV
+    # schemes only; its own `--kv-cache-dtype nvfp4` computes the scales itself, from an artifact without the section
+    "NVFP4-KV": "Currently supported kv cache quantization is num_bits=8, type=float, however received num_bits=4, type=float",
 }
+WITH_NVFP4_KV = {"NVFP4-KV": "W8A8"}  # refusal name: the weights' scheme
 SERVED = ["W4A8"]  # on its int4 CPU kernel (CPUWNA16), in bfloat16 only (NO_INT4_KERNEL)
 
 
@@ -55,10 +59,13 @@ def artifacts(tmp_path_factory, calib_file) -> dict[str, Path]:
     model = decisive_checkpoint(folder / "model", "llama")
     built = {}
     for scheme in [*REFUSALS, *SERVED]:
-        group_size = "\n    weights: {group_size: 32}" if scheme.startswith("W") else ""
-        stage = f"  - type: rtn\n    scheme: {scheme}{group_size}\n"
-        built[scheme] = run_quantize(load_recipe(write_recipe(folder / f"{scheme}.yaml", model, folder / scheme / "artifact", stage,
-                                                                  calib_file)))
+        weights = WITH_NVFP4_KV.get(scheme, scheme)
+        group_size = "\n    weights: {group_size: 32}" if weights.startswith("W") and weights != "W8A8" else ""
+        stage = f"  - type: rtn\n    scheme: {weights}{group_size}\n"
+        recipe = write_recipe(folder / f"{scheme}.yaml", model, folder / scheme / "artifact", stage, calib_file)
+        if scheme in WITH_NVFP4_KV:
+            recipe.write_text(recipe.read_text() + "kv_cache: {dtype: nvfp4}\n")
+        built[scheme] = run_quantize(load_recipe(recipe))
     return built
 
 

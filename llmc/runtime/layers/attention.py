@@ -12,7 +12,7 @@ from torch import nn
 
 from llmc.core.integers import cdiv
 from llmc.quant.kvcache import softcapped_attention, visible_keys
-from llmc.quant.qtypes import QuantArgs, dequantize_columns, quantize_columns
+from llmc.quant.qtypes import QuantArgs, dequantize_columns, fake_quantize_activation, quantize_columns
 
 FP8_KV = QuantArgs(num_bits=8, type="float", strategy="channel")
 
@@ -198,14 +198,29 @@ REFERENCE_ATTENTION = AttentionBackend("reference", decode_attention_reference, 
 
 
 @dataclass(frozen=True, slots=True)
+class NVFP4KVRounding:
+    """An NVFP4 KV cache served in the compute dtype: keys and values are rounded to what NVFP4 stores (groups of 16
+    features, their float8 scales under the calibrated global scale) before they are stored, so attention reads the
+    values an NVFP4 cache holds; the cache takes the compute dtype's memory, not NVFP4's."""
+
+    args: QuantArgs
+    k_global_scale: torch.Tensor
+    v_global_scale: torch.Tensor
+
+    def __call__(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return fake_quantize_activation(k, self.args, self.k_global_scale), fake_quantize_activation(v, self.args, self.v_global_scale)
+
+
+@dataclass(frozen=True, slots=True)
 class LayerKVCache:
     """One layer's part of the paged KV cache, keys and values [num_blocks, block_size, kv_heads, head_dim] each, and
-    for an FP8 cache the per-KV-head float32 scales its entries are stored divided by."""
+    for an FP8 cache the per-KV-head float32 scales its entries are stored divided by (for NVFP4, its rounding)."""
 
     keys: torch.Tensor
     values: torch.Tensor
     k_scale: torch.Tensor | None = None
     v_scale: torch.Tensor | None = None
+    nvfp4: NVFP4KVRounding | None = None
 
 
 class PagedAttention(nn.Module):
@@ -215,6 +230,8 @@ class PagedAttention(nn.Module):
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, metadata: AttentionMetadata) -> torch.Tensor:
         keys, values, k_scale, v_scale = self.cache.keys, self.cache.values, self.cache.k_scale, self.cache.v_scale
+        if self.cache.nvfp4 is not None:
+            k, v = self.cache.nvfp4(k, v)
         store_kv(keys, metadata.slot_mapping, k, k_scale)
         store_kv(values, metadata.slot_mapping, v, v_scale)
         num_decodes = metadata.num_decodes

@@ -56,7 +56,7 @@ class LlamaAttention(nn.Module):
         self.rotary = rotary  # None: a layer without positions (SmolLM3)
         shape = ScoreShape(arch.sliding_windows[index], arch.attention_softcap)
         k_scale, v_scale = weights.kv_scales(prefix, self.num_kv_heads) or (None, None)
-        cache = LayerKVCache(context.kv_cache[0, index], context.kv_cache[1, index], k_scale, v_scale)
+        cache = LayerKVCache(context.kv_cache[0, index], context.kv_cache[1, index], k_scale, v_scale, weights.kv_rounding(prefix))
         self.attn = PagedAttention(arch.attention_scale, shape, context.attention, cache)
 
     def project(self, positions: torch.Tensor, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

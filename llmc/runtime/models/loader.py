@@ -7,7 +7,8 @@ from torch import nn
 from llmc.artifact.ct_config import kv_cache_args_from_config, schemes_from_config
 from llmc.artifact.reader import layout_of, scheme_of
 from llmc.checkpoints.checkpoint_reader import CheckpointReader
-from llmc.quant.qtypes import static_input_name
+from llmc.quant.qtypes import kv_scale_names, static_input_name
+from llmc.runtime.layers.attention import NVFP4KVRounding
 from llmc.runtime.layers.linear import DENSE_COPY_KERNELS, build_linear
 from llmc.runtime.layers.linear_weight import LinearWeight, merge
 
@@ -15,9 +16,10 @@ from llmc.runtime.layers.linear_weight import LinearWeight, merge
 class WeightLoader:
     """Reads a model's tensors from an artifact (compressed-tensors or the legacy GPTQ and AWQ layouts; packed int
     weights stay packed) or a plain HF folder. An artifact with an FP8 kv_cache_scheme gets an FP8 KV cache with its
-    k_scale / v_scale; other KV formats are served in the compute dtype. dense: weight-only quantized layers on dense
-    matmuls (`build_linear`). dense_copy_above: int4 and float4 layers on CPU kernels also keep their weights
-    dequantized, for steps of more than this many rows (DENSE_COPY_KERNELS' use_dense_copy)."""
+    k_scale / v_scale; an NVFP4 one a cache in the compute dtype holding NVFP4's rounded values; int8 the compute
+    dtype. dense: weight-only quantized layers on dense matmuls (`build_linear`). dense_copy_above: int4 and float4
+    layers on CPU kernels also keep their weights dequantized, for steps of more than this many rows
+    (DENSE_COPY_KERNELS' use_dense_copy)."""
 
     def __init__(self, folder: Path, dtype: torch.dtype, device: str, dense: bool = False, dense_copy_above: int | None = None):
         self.reader = CheckpointReader(folder)
@@ -27,7 +29,9 @@ class WeightLoader:
         compressed_tensors = quantization is not None and quantization["quant_method"] == "compressed-tensors"
         self.schemes = schemes_from_config(quantization) if compressed_tensors else []  # legacy layouts: weight-only
         kv_cache = kv_cache_args_from_config(quantization) if quantization else None
-        self.kv_cache_dtype = torch.float8_e4m3fn if kv_cache is not None and kv_cache.type == "float" else dtype
+        self.kv_cache = kv_cache
+        fp8 = kv_cache is not None and kv_cache.type == "float" and kv_cache.num_bits == 8
+        self.kv_cache_dtype = torch.float8_e4m3fn if fp8 else dtype
 
     def __contains__(self, name: str) -> bool:
         return name in self.reader
@@ -43,6 +47,13 @@ class WeightLoader:
             self.reader.tensor(f"{prefix}.{name}").float().reshape(-1).expand(num_kv_heads).contiguous().to(self.device)
             for name in ("k_scale", "v_scale")
         )
+
+    def kv_rounding(self, prefix: str) -> NVFP4KVRounding | None:
+        """The rounding of one attention module's keys and values, when the KV cache is NVFP4."""
+        if self.kv_cache is None or self.kv_cache.dynamic != "local":
+            return None
+        scales = (self.reader.tensor(f"{prefix}.{name}").float().reshape(1).to(self.device) for name in kv_scale_names(self.kv_cache))
+        return NVFP4KVRounding(self.kv_cache, *scales)
 
     def linear(self, names: list[str]) -> nn.Module:
         weight = merge([self._linear_weight(name) for name in names])

@@ -92,3 +92,38 @@ def test_kv_cache_needs_calibration(tmp_path, tiny_llama):
     path.write_text(path.read_text().replace("kv_cache: {dtype: fp8}\n", ""))
     with pytest.raises(LlmcError, match="stages: list at least one stage"):
         load_recipe(path)
+
+
+def test_nvfp4_kv_cache_is_written_as_compressed_tensors_defines_it(tmp_path, tiny_llama, calib_file):
+    """kv_cache: {dtype: nvfp4}: the NVFP4 preset's input activation arguments as kv_cache_scheme, and per attention
+    module the global scales compressed-tensors computes from the keys' and values' range (its generate_gparam)."""
+    from compressed_tensors.quantization import QuantizationArgs, preset_name_to_scheme
+    from compressed_tensors.quantization.utils import generate_gparam
+
+    artifact = kv_artifact(tmp_path, tiny_llama, calib_file, "{dtype: nvfp4}")
+    config = json.loads((artifact / "config.json").read_text())["quantization_config"]
+    written, preset = QuantizationArgs(**config["kv_cache_scheme"]), preset_name_to_scheme("NVFP4", ["Linear"]).input_activations
+    fields = ["num_bits", "type", "symmetric", "group_size", "strategy", "dynamic", "scale_dtype"]
+    assert {name: getattr(written, name) for name in fields} == {name: getattr(preset, name) for name in fields}
+    reader = CheckpointReader(artifact)
+    assert not {name for name in reader.file_of if name.endswith((".k_scale", ".v_scale"))}
+    recipe = load_recipe(artifact / "recipe.yaml")
+    ids = load_calibration(recipe.calibration, AutoTokenizer.from_pretrained(tiny_llama)).input_ids
+    key, value = observed_keys_and_values(tiny_llama, ids)
+    for states, name in ((key, "k_global_scale"), (value, "v_global_scale")):
+        absmax = states.abs().amax()
+        torch.testing.assert_close(reader.tensor(f"{ATTENTION}.{name}"), generate_gparam(-absmax, absmax).reshape(1))
+    loaded = load_model(str(artifact)).model  # evaluation rounds keys and values as NVFP4 stores them
+    reference = AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.float32).eval()
+    ids = torch.randint(0, reference.config.vocab_size, (2, 24), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        expected, quantized = reference(ids).logits, loaded(ids).logits
+    assert not torch.allclose(quantized, expected, atol=1e-4)
+    assert (quantized - expected).pow(2).mean() < 0.05 * expected.pow(2).mean()
+
+
+def test_nvfp4_kv_cache_has_one_global_scale_per_tensor(tmp_path, tiny_llama, calib_file):
+    path = write_recipe(tmp_path / "r.yaml", tiny_llama, tmp_path / "art", " []\n", calib_file)
+    path.write_text(path.read_text().replace("stages:\n", "stages:") + "kv_cache: {dtype: nvfp4, strategy: head}\n")
+    with pytest.raises(LlmcError, match="kv_cache.strategy head: nvfp4 has one global scale per tensor"):
+        load_recipe(path)

@@ -19,14 +19,19 @@ from llmc.runtime.sampling_params import SamplingParams
 REPO = Path(__file__).resolve().parents[3]
 PROMPTS = [" ".join(CORPUS.split()[start : start + 6]) for start in (0, 13, 29)]
 NEW_TOKENS = 24
-STAGES = {"w8a8": "  - type: rtn\n    scheme: W8A8\n", "fp8": "  - type: rtn\n    scheme: FP8_DYNAMIC\n"}
+CASES = {  # name: (stage, KV cache dtype)
+    "w8a8": ("  - type: rtn\n    scheme: W8A8\n", "fp8"),
+    "fp8": ("  - type: rtn\n    scheme: FP8_DYNAMIC\n", "fp8"),
+    "nvfp4": ("  - type: rtn\n    scheme: NVFP4\n", "nvfp4"),
+}
 
 
-@pytest.fixture(scope="module", params=list(STAGES))
+@pytest.fixture(scope="module", params=list(CASES))
 def artifact(request, tmp_path_factory, tiny_llama, calib_file):
-    folder = tmp_path_factory.mktemp(f"{request.param}-kv-fp8")
-    recipe = write_recipe(folder / "recipe.yaml", tiny_llama, folder / "artifact", STAGES[request.param], calib_file)
-    recipe.write_text(recipe.read_text() + "kv_cache: {dtype: fp8}\n")
+    stage, kv_dtype = CASES[request.param]
+    folder = tmp_path_factory.mktemp(f"{request.param}-kv-{kv_dtype}")
+    recipe = write_recipe(folder / "recipe.yaml", tiny_llama, folder / "artifact", stage, calib_file)
+    recipe.write_text(recipe.read_text() + f"kv_cache: {{dtype: {kv_dtype}}}\n")
     return run_quantize(load_recipe(recipe))
 
 
@@ -45,9 +50,12 @@ def emulated_greedy(artifact: Path) -> list[list[int]]:
 
 def test_engine_quantizes_activations_and_kv_like_the_emulation(artifact):
     llm = LLM(str(artifact), EngineConfig(dtype=torch.float32, num_kv_blocks=32))
-    assert llm.runner.kv_cache.dtype == torch.float8_e4m3fn
+    nvfp4 = artifact.parent.name.startswith("nvfp4")  # an NVFP4 cache is kept in the compute dtype, its values rounded
+    assert llm.runner.kv_cache.dtype == (torch.float32 if nvfp4 else torch.float8_e4m3fn)
     layer = llm.runner.model.layers[0]
-    assert isinstance(layer.self_attn.qkv_proj, QuantizedInputLinear) and isinstance(layer.mlp.down_proj, QuantizedInputLinear)
+    assert (layer.self_attn.attn.cache.nvfp4 is not None) == nvfp4
+    if not nvfp4:  # NVFP4's inputs are emulated (EmulatedInputLinear) on the CPU
+        assert isinstance(layer.self_attn.qkv_proj, QuantizedInputLinear) and isinstance(layer.mlp.down_proj, QuantizedInputLinear)
     outputs = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True))
     assert [output["token_ids"] for output in outputs] == emulated_greedy(artifact)
 
