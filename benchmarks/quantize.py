@@ -72,7 +72,7 @@ FORMAT_STAGES = {f"{preset} RTN": preset_stage("rtn", preset) for preset in NEW_
 } | {f"{preset} GPTQ": preset_stage("gptq", preset) for preset in NEW_PRESETS} | {
     "W4A8 SmoothQuant GPTQ mse": "  - type: smoothquant\n" + preset_stage("gptq", "W4A8", "mse"),
     "W4AFP8 SmoothQuant GPTQ mse": "  - type: smoothquant\n" + preset_stage("gptq", "W4AFP8", "mse"),
-    "W4A16 GPTQ mse": preset_stage("gptq", "W4A16", "mse")}
+    "W4A16 GPTQ mse": preset_stage("gptq", "W4A16", "mse"), "fp32 + NVFP4 KV": "stages: []\nkv_cache: {dtype: nvfp4}\n"}
 BF16_PASSES = "  dtype: bfloat16\n"  # continues the calibration section: forward passes in bfloat16
 SUITES = {
     "w4a16": ({name: f"stages:\n{stages}" for name, stages in LLMC.items()}, LLMCOMPRESSOR),
@@ -86,9 +86,10 @@ SUITES = {
     ),
 }
 SUITES["formats"] = (
-    {name: f"stages:\n{stages}" for name, stages in FORMAT_STAGES.items()},
+    {name: stages if stages.startswith("stages:") else f"stages:\n{stages}" for name, stages in FORMAT_STAGES.items()},
     {f"llm-compressor {preset} RTN": (f"preset-{preset}", True) for preset in NEW_PRESETS}
-    | {f"llm-compressor {preset} GPTQ": (f"gptq-preset-{preset}", True) for preset in [*NEW_PRESETS, "W4A16"]},
+    | {f"llm-compressor {preset} GPTQ": (f"gptq-preset-{preset}", True) for preset in [*NEW_PRESETS, "W4A16"]}
+    | {"llm-compressor fp32 + NVFP4 KV": ("kv-nvfp4", True)},
 )
 TITLES = {"w4a16": "W4A16 g64", "w8a8": "8-bit weights and activations, FP8 KV cache",
           "formats": "NVFP4, MXFP4, MXFP8, W4A8, W4AFP8, W3A16, W2A16 (int presets at group 64)"}
@@ -178,6 +179,10 @@ def llmcompressor_worker(folder: str, method: str, symmetric: bool, ids_file: st
             recipe = [modifier(ignore=["lm_head"], config_groups={"group_0": scheme_of})]
         else:
             recipe = [modifier(targets="Linear", ignore=["lm_head"], scheme=preset)]
+    elif method == "kv-nvfp4":  # the KV cache alone, in the NVFP4 preset's activation format
+        from compressed_tensors.quantization.quant_scheme import preset_name_to_scheme
+
+        recipe = [QuantizationModifier(kv_cache_scheme=preset_name_to_scheme("NVFP4", ["Linear"]).input_activations)]
     elif method == "awq":
         recipe = [AWQModifier(ignore=["lm_head"], config_groups=scheme)]
     elif method in ("w8a8", "smoothquant-w8a8", "fp8-dynamic"):
