@@ -11,7 +11,7 @@ from llmc.runtime.layers.attention import REFERENCE_ATTENTION, AttentionBackend
 from llmc.runtime.layers.cpp_kernel import CppKernel, build_concurrently
 from llmc.runtime.layers.cpu_attention import CPP_ATTENTION
 from llmc.runtime.layers.int4_amx import amx_available
-from llmc.runtime.layers.linear import Int4CpuLinear
+from llmc.runtime.layers.linear import AMX_DENSE_COPY_KERNELS, DENSE_COPY_KERNELS, Int4CpuLinear
 from llmc.runtime.models.architecture import Architecture
 from llmc.runtime.models.loader import WeightLoader
 
@@ -57,10 +57,15 @@ def uses_amx(config: EngineConfig) -> bool:
     return config.amx_int4 and not config.compile and amx_available()
 
 
-def int4_dense_copy_rows(config: EngineConfig) -> int | None:
-    """Int4 layers keep a dense copy for steps of more than this many rows (WeightLoader's dense_copy_above); None
-    where AMX takes those steps, or the copy is off."""
-    return config.max_eager_int4_rows if config.int4_dense_copy and not uses_amx(config) else None
+def dense_copy_rows(config: EngineConfig) -> int | None:
+    """Int4 and float4 layers keep a dense copy for steps of more than this many rows (WeightLoader's
+    dense_copy_above); None where the copy is off."""
+    return config.max_eager_int4_rows if config.int4_dense_copy else None
+
+
+def dense_copy_kernels(config: EngineConfig) -> tuple[type, ...]:
+    """The kernels that keep the copy: not int4's where AMX takes their steps of many rows."""
+    return AMX_DENSE_COPY_KERNELS if uses_amx(config) else DENSE_COPY_KERNELS
 
 
 def amx_int4(model: torch.nn.Module, max_eager_rows: int) -> float | None:

@@ -9,7 +9,7 @@ from llmc.core.errors import LlmcError
 from llmc.runtime.engine.block_manager import BlockManager
 from llmc.runtime.engine.config import EngineConfig
 from llmc.runtime.engine.engine_stats import EngineStats
-from llmc.runtime.engine.kernel_policy import int4_dense_copy_rows
+from llmc.runtime.engine.kernel_policy import dense_copy_kernels, dense_copy_rows
 from llmc.runtime.engine.model_runner import ModelRunner, Speculator
 from llmc.runtime.engine.request_checks import RequestChecks, eos_token_ids
 from llmc.runtime.engine.scheduler import Scheduler
@@ -54,7 +54,8 @@ class LLMEngine:
         config = config or EngineConfig()
         folder = resolve_model(str(model))
         tokenizer = AutoTokenizer.from_pretrained(folder)
-        weights = WeightLoader(folder, config.dtype, config.device, config.dense_weights, int4_dense_copy_rows(config))
+        weights = WeightLoader(folder, config.dtype, config.device, config.dense_weights, dense_copy_rows(config),
+                               dense_copy_kernels(config))
         runner = ModelRunner(AutoConfig.from_pretrained(folder), weights, config)
         self._start(str(model), runner, tokenizer, config, eos_token_ids(tokenizer, folder))
 

@@ -7,14 +7,13 @@ reads half a byte a weight where the dense fallback reads two, so decode at few 
 many rows go on a dense copy (Fp4CpuLinear.use_dense_copy), as int4's do. Compiled on first use like
 layers/cpu_attention.py; where that fails, DenseLinear serves these weights."""
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from llmc.artifact.pack import pack_e2m1
 from llmc.quant.qtypes import QuantizedWeight
 from llmc.runtime.layers.cpp_kernel import COMPILER_FLAGS, CppKernel
+from llmc.runtime.layers.dense_copy import DenseCopy
 from llmc.runtime.layers.linear_weight import LinearWeight
-from llmc.runtime.layers.onednn_packed import PackedWeight, packs_for_onednn
 
 SOURCE = r"""
 #include <torch/extension.h>
@@ -102,7 +101,7 @@ torch::Tensor fp4_matmul(torch::Tensor x, torch::Tensor codes, torch::Tensor hal
 KERNEL = CppKernel("llmc_fp4_gemm", SOURCE, ["fp4_matmul"], COMPILER_FLAGS, "float4 weights dequantized once, on dense matmuls")
 
 
-class Fp4CpuLinear(nn.Module):
+class Fp4CpuLinear(DenseCopy, nn.Module):
     """NVFP4 and MXFP4 weights (weight-only; EmulatedInputLinear puts their inputs' quantization in front) on the C++
     kernel above, in float32 or bfloat16. Steps of more than max_eager_rows rows take the dense copy where one is
     kept (use_dense_copy)."""
@@ -115,8 +114,7 @@ class Fp4CpuLinear(nn.Module):
         self.register_buffer("codes", pack_e2m1(quantized.codes).contiguous())
         self.register_buffer("half_scales", (quantized.scale.float() / 2).reshape(self.out_features, -1).contiguous())
         self.bias = None if weight.bias is None else nn.Parameter(weight.bias.to(dtype), requires_grad=False)
-        self.dense: PackedWeight | torch.Tensor | None = None
-        self.max_eager_rows = 0
+        self.no_dense_copy()
 
     @staticmethod
     def supports(weight: LinearWeight, dtype: torch.dtype, device: str) -> bool:
@@ -134,15 +132,12 @@ class Fp4CpuLinear(nn.Module):
 
     def use_dense_copy(self, weight: QuantizedWeight, max_eager_rows: int) -> None:
         """Keep weight (this layer's, as built) dequantized beside the codes for steps of more than max_eager_rows rows."""
-        dense = weight.dequantize().to(self.dtype)
-        self.dense = PackedWeight(dense, None) if packs_for_onednn(self.dtype, "cpu") else dense
-        self.max_eager_rows = max_eager_rows
+        self.keep_dense_copy(weight.dequantize().to(self.dtype), max_eager_rows)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, self.in_features)
-        if self.dense is not None and len(flat) > self.max_eager_rows:
-            out = self.dense(flat) if isinstance(self.dense, PackedWeight) else F.linear(flat, self.dense)
-        else:
+        out = self.dense_product(flat)
+        if out is None:
             out = KERNEL.get().fp4_matmul(flat, self.codes, self.half_scales, self.group_size)
         out = out.reshape(*x.shape[:-1], self.out_features)
         return out if self.bias is None else out + self.bias

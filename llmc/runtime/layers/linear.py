@@ -9,6 +9,7 @@ from torch import nn
 
 from llmc.quant.qtypes import QuantizedWeight, fake_quantize_activation
 from llmc.runtime.layers.cpu_fp4_gemm import Fp4CpuLinear
+from llmc.runtime.layers.dense_copy import DenseCopy
 from llmc.runtime.layers.int4_amx import Int4Matmul, compile_amx
 from llmc.runtime.layers.linear_weight import LinearWeight, merge
 from llmc.runtime.layers.onednn_packed import PackedWeight, packs_for_onednn
@@ -53,14 +54,13 @@ def bfloat16_cpu_weight_only(weight: LinearWeight, dtype: torch.dtype, device: s
     )
 
 
-class Int4CpuLinear(nn.Module):
+class Int4CpuLinear(DenseCopy, nn.Module):
     """Symmetric int4 groups on torch's own CPU kernel; the codes are repacked into its layout once, at load.
     With scales in the compute dtype its weights equal `dequantize` bit for bit (the zero term is 0), so only the
     matmul's summation order differs. Chosen for bfloat16 only: the kernel's float32 path is slower than a dense matmul.
     The kernel multiplies row by row, its time growing with the rows: steps of more than `max_eager_rows` rows go on
     the compiled AMX matmul (int4_amx) on a CPU with AMX (`use_amx`), else on a bfloat16 copy of the weights
-    (`use_dense_copy`: the same weights, on oneDNN's GEMM, several times faster from a dozen rows up, for 4x the
-    int4 bytes in memory)."""
+    (`use_dense_copy`, dense_copy.py)."""
 
     GROUP_SIZES = (32, 64, 128, 256)
 
@@ -76,8 +76,7 @@ class Int4CpuLinear(nn.Module):
         )
         self.bias = None if weight.bias is None else nn.Parameter(weight.bias.to(dtype), requires_grad=False)
         self.amx: Callable[[torch.Tensor], torch.Tensor] | None = None
-        self.dense: PackedWeight | torch.Tensor | None = None
-        self.max_eager_rows = 0
+        self.no_dense_copy()
 
     @classmethod
     def supports(cls, weight: LinearWeight, dtype: torch.dtype, device: str) -> bool:
@@ -98,18 +97,14 @@ class Int4CpuLinear(nn.Module):
         """Keep weight (this layer's, as built) dequantized beside the codes for steps of more than max_eager_rows rows:
         each code times its scale in the compute dtype, the product the kernel multiplies by, rounded to that dtype."""
         dtype = self.matmul.scales_and_zeros.dtype
-        dense = replace(weight, scale=weight.scale.to(dtype).float()).dequantize().to(dtype)  # the kernel's scales
-        self.dense = PackedWeight(dense, None) if packs_for_onednn(dtype, "cpu") else dense
-        self.max_eager_rows = max_eager_rows
+        self.keep_dense_copy(replace(weight, scale=weight.scale.to(dtype).float()).dequantize().to(dtype), max_eager_rows)
 
     def _product(self, flat: torch.Tensor) -> torch.Tensor:
         rows = len(flat)
-        if rows <= self.max_eager_rows or (self.amx is None and self.dense is None):
+        if (dense := self.dense_product(flat)) is not None:
+            return dense
+        if rows <= self.max_eager_rows or self.amx is None:
             return self.matmul(flat)
-        if isinstance(self.dense, PackedWeight):
-            return self.dense(flat)
-        if self.dense is not None:
-            return F.linear(flat, self.dense)
         if rows == 1:
             return self.amx(torch.cat([flat, flat]))[:1]
         return self.amx(flat)
@@ -166,8 +161,10 @@ class EmulatedInputLinear(nn.Module):
 KERNELS: list[type[nn.Module]] = [
     QuantizedInputLinear, EmulatedInputLinear, W4A16TritonLinear, Int4CpuLinear, Int8CpuLinear, Fp4CpuLinear, DenseLinear,
 ]
-# kernels that can keep a dense copy of their weights for steps of many rows (use_dense_copy)
+# kernels that can keep a dense copy of their weights for steps of many rows (use_dense_copy); where AMX serves int4
+# layers' large steps (kernel_policy.uses_amx), float4 layers still need theirs
 DENSE_COPY_KERNELS = (Int4CpuLinear, Fp4CpuLinear)
+AMX_DENSE_COPY_KERNELS = (Fp4CpuLinear,)
 
 
 def build_linear(parts: list[LinearWeight], dtype: torch.dtype, device: str, dense: bool = False) -> nn.Module:

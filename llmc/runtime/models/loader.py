@@ -17,13 +17,15 @@ class WeightLoader:
     """Reads a model's tensors from an artifact (compressed-tensors or the legacy GPTQ and AWQ layouts; packed int
     weights stay packed) or a plain HF folder. An artifact with an FP8 kv_cache_scheme gets an FP8 KV cache with its
     k_scale / v_scale; an NVFP4 one a cache in the compute dtype holding NVFP4's rounded values; int8 the compute
-    dtype. dense: weight-only quantized layers on dense matmuls (`build_linear`). dense_copy_above: int4 and float4
-    layers on CPU kernels also keep their weights dequantized, for steps of more than this many rows
-    (DENSE_COPY_KERNELS' use_dense_copy)."""
+    dtype. dense: weight-only quantized layers on dense matmuls (`build_linear`). dense_copy_above: layers on the
+    dense_copy_kernels (int4 and float4 CPU kernels) also keep their weights dequantized, for steps of more than this
+    many rows (use_dense_copy)."""
 
-    def __init__(self, folder: Path, dtype: torch.dtype, device: str, dense: bool = False, dense_copy_above: int | None = None):
+    def __init__(self, folder: Path, dtype: torch.dtype, device: str, dense: bool = False, dense_copy_above: int | None = None,
+                 dense_copy_kernels: tuple[type, ...] = DENSE_COPY_KERNELS):
         self.reader = CheckpointReader(folder)
         self.dtype, self.device, self.dense, self.dense_copy_above = dtype, device, dense, dense_copy_above
+        self.dense_copy_kernels = dense_copy_kernels
         quantization = json.loads((folder / "config.json").read_text()).get("quantization_config")
         self.layout = layout_of(quantization) if quantization else None
         compressed_tensors = quantization is not None and quantization["quant_method"] == "compressed-tensors"
@@ -60,7 +62,7 @@ class WeightLoader:
         module = build_linear([weight], self.dtype, self.device, self.dense)
         if self.dense_copy_above is not None:
             for kernel in module.modules():  # EmulatedInputLinear's weight-only kernel too
-                if isinstance(kernel, DENSE_COPY_KERNELS):
+                if isinstance(kernel, self.dense_copy_kernels):
                     kernel.use_dense_copy(weight.weight, self.dense_copy_above)
         return module
 

@@ -76,3 +76,18 @@ def test_float4_weights_get_the_kernel_behind_their_inputs_quantization(dtype):
                                          scale_dtype="uint8")
     emulated = build_linear([LinearWeight(weight)], dtype, "cpu")
     assert isinstance(emulated, EmulatedInputLinear) and isinstance(emulated.weights, cpu_fp4_gemm.Fp4CpuLinear)
+
+
+def test_float4_layers_keep_their_dense_copy_where_amx_takes_int4_layers_steps(monkeypatch):
+    """On a CPU with AMX, int4 layers run their steps of many rows on AMX; float4 layers have no AMX path and keep the copy."""
+    from llmc.runtime.engine import kernel_policy
+    from llmc.runtime.engine.config import EngineConfig
+    from llmc.runtime.layers.linear import Int4CpuLinear
+
+    config = EngineConfig(dtype=torch.bfloat16)
+    for amx in (False, True):
+        monkeypatch.setattr(kernel_policy, "amx_available", lambda amx=amx: amx)
+        kernels = kernel_policy.dense_copy_kernels(config)
+        assert cpu_fp4_gemm.Fp4CpuLinear in kernels and (Int4CpuLinear in kernels) == (not amx)
+        assert kernel_policy.dense_copy_rows(config) == config.max_eager_int4_rows
+    assert kernel_policy.dense_copy_rows(EngineConfig(dtype=torch.bfloat16, int4_dense_copy=False)) is None
