@@ -62,14 +62,18 @@ W8A8_STAGES = {
 NEW_PRESETS = ["NVFP4A16", "NVFP4", "MXFP4A16", "MXFP4", "MXFP8", "W4A8", "W4AFP8", "W3A16", "W2A16"]
 
 
-def preset_stage(algorithm: str, preset: str, observer: str = "minmax") -> str:
-    fields = [f"observer: {observer}"] + (["group_size: 64"] if preset.startswith("W") else [])
+def preset_stage(algorithm: str, preset: str, observer: str = "minmax", actorder: str | None = None) -> str:
+    fields = [f"observer: {observer}"] + (["group_size: 64"] if preset.startswith("W") else []) + ([f"actorder: {actorder}"] if actorder else [])
     return f"  - type: {algorithm}\n    scheme: {preset}\n    weights: {{{', '.join(fields)}}}\n"
 
 
 FORMAT_STAGES = {f"{preset} RTN": preset_stage("rtn", preset) for preset in NEW_PRESETS} | {
     f"{preset} GPTQ mse": preset_stage("gptq", preset, "mse") for preset in NEW_PRESETS
 } | {f"{preset} GPTQ": preset_stage("gptq", preset) for preset in NEW_PRESETS} | {
+    # llm-compressor 0.14's GPTQModifier orders columns by static act-order unless told otherwise: these rows do the same
+    f"{preset} GPTQ act-order{suffix}": preset_stage("gptq", preset, observer, "static")
+    for preset in NEW_PRESETS for suffix, observer in (("", "minmax"), (" mse", "mse"))
+} | {
     "W4A8 SmoothQuant GPTQ mse": "  - type: smoothquant\n" + preset_stage("gptq", "W4A8", "mse"),
     "W4AFP8 SmoothQuant GPTQ mse": "  - type: smoothquant\n" + preset_stage("gptq", "W4AFP8", "mse"),
     "W4A16 GPTQ mse": preset_stage("gptq", "W4A16", "mse"), "fp32 + NVFP4 KV": "stages: []\nkv_cache: {dtype: nvfp4}\n"}
