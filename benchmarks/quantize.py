@@ -63,7 +63,8 @@ NEW_PRESETS = ["NVFP4A16", "NVFP4", "MXFP4A16", "MXFP4", "MXFP8", "W4A8", "W4AFP
 
 
 def preset_stage(algorithm: str, preset: str, observer: str = "minmax", actorder: str | None = None) -> str:
-    fields = [f"observer: {observer}"] + (["group_size: 64"] if preset.startswith("W") else []) + ([f"actorder: {actorder}"] if actorder else [])
+    fields = [f"observer: {observer}"] + (["group_size: 64"] if preset.startswith("W") else [])
+    fields += [f"actorder: {actorder}"] if actorder else []
     return f"  - type: {algorithm}\n    scheme: {preset}\n    weights: {{{', '.join(fields)}}}\n"
 
 
