@@ -109,6 +109,9 @@ class RandomWeights:
             return None
         return tuple(torch.full((num_kv_heads,), KV_SCALE, device=self.device) for _ in range(2))
 
+    def kv_rounding(self, prefix: str) -> None:
+        return None  # no NVFP4 KV cache among the benchmark's formats
+
     def linear(self, names: list[str]) -> torch.nn.Module:
         return build_linear([self._linear_weight(name) for name in names], self.dtype, self.device)
 
