@@ -129,8 +129,9 @@ def runtime_quantization(folder: Path) -> RuntimeQuantization:
     kv_scales = {}
     if kv_cache is not None:
         k_name, v_name = kv_scale_names(kv_cache)
-        kv_scales = {name.removesuffix(f".{k_name}"): (reader.tensor(name).float(), reader.tensor(name.replace(k_name, v_name)).float())
-                     for name in reader.file_of if name.endswith(f".{k_name}")}
+        modules = [name.removesuffix(f".{k_name}") for name in reader.file_of if name.endswith(f".{k_name}")]
+        kv_scales = {module: (reader.tensor(f"{module}.{k_name}").float(), reader.tensor(f"{module}.{v_name}").float())
+                     for module in modules}
     return RuntimeQuantization(inputs, kv_cache, kv_scales)
 
 

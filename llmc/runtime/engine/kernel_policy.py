@@ -11,7 +11,7 @@ from llmc.runtime.layers.attention import REFERENCE_ATTENTION, AttentionBackend
 from llmc.runtime.layers.cpp_kernel import CppKernel, build_concurrently
 from llmc.runtime.layers.cpu_attention import CPP_ATTENTION
 from llmc.runtime.layers.int4_amx import amx_available
-from llmc.runtime.layers.linear import AMX_DENSE_COPY_KERNELS, DENSE_COPY_KERNELS, Int4CpuLinear
+from llmc.runtime.layers.linear import DENSE_COPY_KERNELS, Int4CpuLinear
 from llmc.runtime.models.architecture import Architecture
 from llmc.runtime.models.loader import WeightLoader
 
@@ -64,8 +64,8 @@ def dense_copy_rows(config: EngineConfig) -> int | None:
 
 
 def dense_copy_kernels(config: EngineConfig) -> tuple[type, ...]:
-    """The kernels that keep the copy: not int4's where AMX takes their steps of many rows."""
-    return AMX_DENSE_COPY_KERNELS if uses_amx(config) else DENSE_COPY_KERNELS
+    """The kernels that keep the copy: not int4's where AMX takes their steps of many rows (float4 layers still do)."""
+    return tuple(kernel for kernel in DENSE_COPY_KERNELS if kernel is not Int4CpuLinear) if uses_amx(config) else DENSE_COPY_KERNELS
 
 
 def amx_int4(model: torch.nn.Module, max_eager_rows: int) -> float | None:

@@ -161,10 +161,8 @@ class EmulatedInputLinear(nn.Module):
 KERNELS: list[type[nn.Module]] = [
     QuantizedInputLinear, EmulatedInputLinear, W4A16TritonLinear, Int4CpuLinear, Int8CpuLinear, Fp4CpuLinear, DenseLinear,
 ]
-# kernels that can keep a dense copy of their weights for steps of many rows (use_dense_copy); where AMX serves int4
-# layers' large steps (kernel_policy.uses_amx), float4 layers still need theirs
+# kernels that can keep a dense copy of their weights for steps of many rows (use_dense_copy)
 DENSE_COPY_KERNELS = (Int4CpuLinear, Fp4CpuLinear)
-AMX_DENSE_COPY_KERNELS = (Fp4CpuLinear,)
 
 
 def build_linear(parts: list[LinearWeight], dtype: torch.dtype, device: str, dense: bool = False) -> nn.Module:
