@@ -11,6 +11,7 @@ GPTQ, AWQ and presets run on the same model, samples and windows. The depth figu
 
     python benchmarks/quantize.py [--suite w4a16|w8a8|formats] [--samples 128] [--seq-len 512] [--windows 40]
         [--only GPTQ ...] [--fp32-perplexity P] [--llmcompressor-python PATH] [--business FILE [--business-limit N]]
+        [--keep DIR]
 """
 import argparse
 import json
@@ -138,6 +139,8 @@ def llmc_quantize(folder: Path, name: str, body: str, model: str, calibration: P
     slug = name.lower().replace(" ", "-").replace("+", "-")
     recipe = folder / f"{slug}.yaml"
     section = f"calibration:\n  dataset: {calibration}\n  num_samples: {samples}\n  seq_len: {seq_len}\n"
+    if (folder / slug / "config.json").is_file():  # kept by an earlier --keep run
+        return folder / slug, None, None, None
     recipe.write_text(f"model: {model}\noutput: {folder / slug}\n{section}{body}")
     if not load_recipe(recipe).needs_calibration:
         recipe.write_text(f"model: {model}\noutput: {folder / slug}\n{body}")
@@ -208,6 +211,8 @@ def llmcompressor_quantize(folder: Path, name: str, model: str, ids_file: Path, 
 
     method, symmetric = methods[name]
     output = folder / name.replace(" ", "-")
+    if (output / "config.json").is_file():  # kept by an earlier --keep run
+        return output, None, None, None
     command = [python, __file__, "--worker", str(resolve_model(model)), method, str(symmetric), str(ids_file), str(output)]
     return (output, *run_measured(command))
 
@@ -245,7 +250,8 @@ def quality_table(args) -> list[dict]:
     rows = [{"method": "fp32", "perplexity": base, "seconds": None, "cpu": None, "rss": None, "layerwise": None}]
     print(json.dumps(rows[0]), flush=True)
     with tempfile.TemporaryDirectory() as tmp:
-        folder = Path(tmp)
+        folder = args.keep or Path(tmp)
+        folder.mkdir(parents=True, exist_ok=True)
         calibration = spec_bench_calibration(folder)
         config = CalibrationConfig(dataset=str(calibration), num_samples=args.samples, seq_len=args.seq_len)
         ids = load_calibration(config, AutoTokenizer.from_pretrained(resolve_model(args.model))).input_ids
@@ -294,6 +300,8 @@ def main() -> None:
     parser.add_argument("--business", type=Path, help="also each artifact's recovery, agreement and KL against the base "
                                                       "on this business set (e.g. calib_data/business/customer_service.jsonl)")
     parser.add_argument("--business-limit", type=int, help="its first N items")
+    parser.add_argument("--keep", type=Path, help="write the artifacts into this folder and keep them; an artifact "
+                                                  "already there is reused (no quantize timing for it)")
     every = [name for ours, theirs in SUITES.values() for name in [*ours, *theirs]]
     parser.add_argument("--only", nargs="*", choices=every, help="these methods (of the suite), in this order")
     args = parser.parse_args()
