@@ -4,16 +4,17 @@
 # (fp16, W4A16, W8A8, FP8) on random weights in Llama-3-8B's and SmolLM2-135M's shapes, the stages on CUDA against
 # the CPU (tests/unit/calib/test_device.py), and GPTQ W4A16 at Llama-3-8B's layer shapes on 128 x 2048 calibration tokens
 # (benchmarks/scale.py: s/layer, 32-layer time against llm-compressor's, peak device memory), and an EAGLE-3 draft's
-# step costs at batch 1 in Llama-3-8B's shape combined with measured acceptances (benchmarks/speculative_gpu.py).
+# step costs at batch 1 in Llama-3-8B's shape combined with measured acceptances (benchmarks/speculative_gpu.py), and
+# the optimisation ladder (llmc bench --ladder) on a 4-layer random checkpoint in Llama-3-8B's shapes.
 # Needs torch, triton and transformers; each section runs under its own time limit and a failing one stops nothing.
-# SECTIONS picks some (default all: kernels graphs decode device scale speculative), e.g. SECTIONS="device scale".
+# SECTIONS picks some (default all: kernels graphs decode device scale speculative ladder), e.g. SECTIONS="device scale".
 #   benchmarks/gpu_check.sh [gpu_bench.py options, e.g. --formats W4A16 FP8]
 set -u -o pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" TOKENIZERS_PARALLELISM=false TRITON_DEFAULT_FP_FUSION=1
 PYTHON=${PYTHON:-python}
 status=0
-SECTIONS=${SECTIONS:-kernels graphs decode device scale speculative}
+SECTIONS=${SECTIONS:-kernels graphs decode device scale speculative ladder}
 want() { [[ " $SECTIONS " == *" $1 "* ]]; }
 
 echo "== environment"
@@ -49,6 +50,14 @@ fi
 if want speculative; then
     echo "== EAGLE-3 at batch 1 in Llama-3-8B's shape, W4A16: step costs and the speed-up they give (benchmarks/speculative_gpu.py)"
     timeout 240 $PYTHON benchmarks/speculative_gpu.py || status=1
+fi
+
+if want ladder; then
+    echo "== the optimisation ladder on a 4-layer random Llama-3-8B-shaped checkpoint, W4A16 (llmc bench --ladder)"
+    LADDER=$(mktemp -d)
+    timeout 120 $PYTHON benchmarks/random_checkpoint.py "$LADDER/llama-3-8b-shaped" --layers 4 &&
+        timeout 300 $PYTHON -m llmc bench "$LADDER/llama-3-8b-shaped" --ladder --recipe recipes/smollm2-w4a16-rtn.yaml \
+            --device cuda --budget-s 200 --max-probes 4 --num-prompts 32 --quality-items 0 --out "$LADDER/out" || status=1
 fi
 
 exit $status

@@ -10,6 +10,8 @@ import click
 from click.core import ParameterSource
 from rich.console import Console
 
+from llmc.bench.goodput import SearchLimits, Slo
+from llmc.bench.ladder_settings import LadderSettings
 from llmc.core.errors import LlmcError
 from llmc.draft.config import DraftConfig
 from llmc.evals.config import PerplexityEval
@@ -395,12 +397,47 @@ def serve(ctx: click.Context, artifact: str, vllm_args: tuple[str, ...], engine:
     run_server(engine, served_model_name or artifact, host, port, api_key, max_request_bytes)
 
 
+LADDER_OPTIONS = [
+    click.option("--ladder", is_flag=True, help="Run the optimisation ladder on MODEL: transformers, llmc, quantized weights, "
+                 "FP8 KV cache, draft heads (and vLLM with --vllm), each as goodput at the SLO."),
+    click.option("--recipe", type=click.Path(path_type=Path), help="--ladder: the recipe the quantized rungs are made by."),
+    click.option("--quantized", type=click.Path(path_type=Path), help="--ladder: the quantized rung's artifact (instead of --recipe's)."),
+    click.option("--fp8-kv", type=click.Path(path_type=Path), help="--ladder: the FP8 KV cache rung's artifact."),
+    click.option("--draft", type=click.Path(path_type=Path),
+                 help="--ladder: draft heads for the last rung (a draft folder, or an artifact with draft/)."),
+    click.option("--vllm", "vllm_path", metavar="PATH",
+                 help="--ladder: also vLLM on the unquantized and quantized rungs (its venv or `vllm`)."),
+    click.option("--slo-ttft-ms", type=click.FloatRange(min=0, min_open=True), default=Slo.ttft_p90_ms, show_default=True,
+                 help="--ladder: the SLO's p90 time to first token."),
+    click.option("--slo-tpot-ms", type=click.FloatRange(min=0, min_open=True), default=Slo.tpot_p90_ms, show_default=True,
+                 help="--ladder: the SLO's p90 time per output token."),
+    click.option("--budget-s", type=click.FloatRange(min=1), default=LadderSettings.budget_s, show_default=True,
+                 help="--ladder: seconds for all rungs' load tests, shared among the rungs (each runs one probe at least)."),
+    click.option("--max-probes", type=click.IntRange(min=1), default=SearchLimits.max_probes, show_default=True,
+                 help="--ladder: request rates tried per rung."),
+    click.option("--hf-batch-size", type=click.IntRange(min=1), default=LadderSettings.hf_batch_size, show_default=True,
+                 help="--ladder: the transformers rung's static batch size."),
+    click.option("--quality-items", type=click.IntRange(min=0), default=LadderSettings.quality_items, show_default=True,
+                 help="--ladder: business items of each rung's quality comparison against MODEL (0: none)."),
+    click.option("--out", type=click.Path(path_type=Path), default=Path("ladder"), show_default=True,
+                 help="--ladder: ladder.json, ladder.png, the quantized artifacts and the servers' logs."),
+    click.option("--overwrite", is_flag=True, help="--ladder: replace an earlier ladder.json / ladder.png in --out."),
+]
+LADDER_NAMES = ("ladder", "recipe", "quantized", "fp8_kv", "draft", "vllm_path", "slo_ttft_ms", "slo_tpot_ms", "budget_s",
+                "max_probes", "hf_batch_size", "quality_items", "out", "overwrite")
+BENCH_ONLY = ("url", "request_rate", "cancel_fraction", "shared_prefix_tokens", "chat_template", "baseline",
+              "baseline_num_prompts", "concurrency", "speculative")
+
+
 @cli.command()
 @click.argument("model")
-@click.option("--dataset", type=click.Path(path_type=Path), required=True, help="JSONL prompts (MT-bench `turns`, or `prompt`/`text`).")
+@click.option("--dataset", type=click.Path(path_type=Path),
+              help="JSONL prompts (MT-bench `turns`, or `prompt`/`text`); --ladder: the chat workload (default: the shipped "
+              "business set).")
 @click.option("--url", help="Benchmark a running server (e.g. http://127.0.0.1:8000) instead of an in-process engine.")
 @click.option("--api-key", envvar="LLMC_API_KEY")
-@click.option("--num-prompts", type=click.IntRange(min=1), default=64, show_default=True)
+@click.option("--num-prompts", type=click.IntRange(min=1), default=LadderSettings.num_prompts, show_default=True,
+              help="Requests (--ladder: per probed rate).")
 @click.option("--max-tokens", type=click.IntRange(min=1), default=128, show_default=True)
 @click.option("--concurrency", type=click.IntRange(min=1), default=16, show_default=True, help="Requests in flight at once.")
 @click.option("--request-rate", type=click.FloatRange(min=0, min_open=True), help="Poisson arrivals (req/s) instead of fixed concurrency.")
@@ -414,24 +451,61 @@ def serve(ctx: click.Context, artifact: str, vllm_args: tuple[str, ...], engine:
 @click.option("--seed", type=int, default=0, show_default=True)
 @click.option("--json", "json_path", type=click.Path(path_type=Path), help="Write the results here as JSON.")
 @with_options(ENGINE_OPTIONS)
-def bench(model: str, dataset: Path, url: str | None, api_key: str | None, num_prompts: int, max_tokens: int, concurrency: int,
-          request_rate: float | None, cancel_fraction: float, shared_prefix_tokens: int, chat_template: bool,
-          baseline: str | None, baseline_num_prompts: int | None, seed: int, json_path: Path | None, **engine_options) -> None:
-    """Load-test MODEL (artifact or model spec) in process, or the server at --url that serves it."""
+@with_options(LADDER_OPTIONS)
+@click.pass_context
+def bench(ctx: click.Context, model: str, dataset: Path | None, url: str | None, api_key: str | None, num_prompts: int,
+          max_tokens: int, concurrency: int, request_rate: float | None, cancel_fraction: float, shared_prefix_tokens: int,
+          chat_template: bool, baseline: str | None, baseline_num_prompts: int | None, seed: int, json_path: Path | None,
+          **options) -> None:
+    """Load-test MODEL (artifact or model spec) in process, or the server at --url that serves it; with --ladder, the
+    optimisation ladder on it."""
     require_serve_extra()
+    ladder = {name: options.pop(name) for name in LADDER_NAMES}
+    if ladder.pop("ladder"):
+        conflicting = [name for name in BENCH_ONLY if name in explicit_options(ctx, dict.fromkeys(BENCH_ONLY))]
+        if conflicting:
+            raise LlmcError(f"--{conflicting[0].replace('_', '-')}: not with --ladder, which probes each rung at request "
+                            "rates it chooses")
+        return run_ladder_command(model, dataset, num_prompts, max_tokens, seed, json_path, ladder, options)
+    stray = list(explicit_options(ctx, ladder))
+    if stray:
+        raise LlmcError(f"--{stray[0].replace('_', '-')}: only with --ladder")
+    if dataset is None:
+        raise LlmcError("--dataset: required (JSONL prompts), except with --ladder")
     from llmc.bench.command import bench_notes, bench_table, run_bench
 
     load = dict(max_tokens=max_tokens, concurrency=None if request_rate else concurrency, request_rate=request_rate,
                 cancel_fraction=cancel_fraction, seed=seed)
-    engine = None if url else build_engine(model, **engine_options)
+    engine = None if url else build_engine(model, **options)
     results = run_bench(model, dataset, num_prompts, chat_template, shared_prefix_tokens, load, engine, url, api_key,
                         baseline_num_prompts, baseline == "hf")
-    results["settings"] = {"model": model, "dataset": str(dataset), "num_prompts": num_prompts, "url": url} | load | engine_options
+    results["settings"] = {"model": model, "dataset": str(dataset), "num_prompts": num_prompts, "url": url} | load | options
     console.print(bench_table(results))
     for note in bench_notes(results):
         console.print(note)
     if json_path:
         json_path.write_text(json.dumps(results, indent=2))
+
+
+def run_ladder_command(model: str, dataset: Path | None, num_prompts: int, max_tokens: int, seed: int,
+                       json_path: Path | None, ladder: dict, engine_options: dict) -> None:
+    from llmc.bench.ladder import RungContext
+    from llmc.bench.ladder_artifacts import RungArtifacts
+    from llmc.bench.ladder_command import DEFAULT_WORKLOAD, LadderInputs, run_ladder
+
+    given = RungArtifacts(*(None if ladder[name] is None else str(ladder[name]) for name in ("quantized", "fp8_kv", "draft")))
+    inputs = LadderInputs(model, dataset or DEFAULT_WORKLOAD, ladder["out"], ladder["recipe"], given, ladder["vllm_path"],
+                          json_path, ladder["overwrite"])
+    settings = LadderSettings(num_prompts, max_tokens, Slo(ladder["slo_ttft_ms"], ladder["slo_tpot_ms"]),
+                              SearchLimits(max_probes=ladder["max_probes"]), ladder["budget_s"], ladder["hf_batch_size"],
+                              ladder["quality_items"], seed)
+
+    device = str(chosen_device(engine_options["device"]))
+
+    def make_engine(rung_model: str, speculative: str):
+        return build_engine(rung_model, **(engine_options | {"speculative": speculative, "device": device}))
+
+    run_ladder(inputs, settings, RungContext(make_engine, engine_options["max_num_seqs"], ladder["out"], device), console)
 
 
 def main() -> None:

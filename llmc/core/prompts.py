@@ -5,19 +5,25 @@ from pathlib import Path
 from llmc.core.errors import LlmcError
 
 
-def read_prompt_texts(path: Path) -> list[str]:
-    """The first user turn of every row of a JSONL file: MT-bench `turns`, `messages`, or a `prompt`/`text` field."""
+def first_turn(row: dict) -> str | None:
+    """A row's first user turn: MT-bench `turns`, `messages`, or a `prompt`/`text` field."""
+    return (row.get("turns") or [None])[0] or (row.get("messages") or [{}])[0].get("content") or row.get("prompt") or row.get("text")
+
+
+def prompt_rows(path: Path) -> list[dict]:
+    """The rows of a JSONL prompt file that hold a first user turn."""
     if not path.is_file():
         raise LlmcError(f"prompt file not found: {path}")
-    texts = []
-    for line in path.read_text().splitlines():
-        row = json.loads(line) if line.strip() else {}
-        text = (row.get("turns") or [None])[0] or (row.get("messages") or [{}])[0].get("content") or row.get("prompt") or row.get("text")
-        if text:
-            texts.append(text)
-    if not texts:
+    rows = [row for line in path.read_text().splitlines() if line.strip()
+            for row in [json.loads(line)] if isinstance(row, dict) and first_turn(row)]
+    if not rows:
         raise LlmcError(f"{path} has no rows with `turns`, `messages`, `prompt` or `text`")
-    return texts
+    return rows
+
+
+def read_prompt_texts(path: Path) -> list[str]:
+    """The first user turn of every row of a JSONL file."""
+    return [first_turn(row) for row in prompt_rows(path)]
 
 
 def load_prompts(path: Path, num_prompts: int, tokenizer, chat_template: bool, shared_prefix_tokens: int) -> list[str]:
@@ -36,6 +42,22 @@ def load_prompts(path: Path, num_prompts: int, tokenizer, chat_template: bool, s
             prompts.append(tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True))
         else:
             prompts.append(prefix + text)
+    return prompts
+
+
+def chat_workload(path: Path, num_prompts: int, tokenizer) -> list[str]:
+    """A chat service's requests: each row's `system` prompt (the business set's shared policies), if it has one, and
+    first user turn through the chat template, reused in order to reach num_prompts."""
+    rows = prompt_rows(path)
+    prompts = []
+    for index in range(num_prompts):
+        row = rows[index % len(rows)]
+        messages = ([{"role": "system", "content": row["system"]}] if row.get("system") else [])
+        messages.append({"role": "user", "content": first_turn(row)})
+        if tokenizer.chat_template:
+            prompts.append(tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True))
+        else:
+            prompts.append("\n\n".join(message["content"] for message in messages))
     return prompts
 
 

@@ -3,7 +3,6 @@ runs the artifact without and then with the draft exported to vLLM's layout, on 
 measurement, greedy, one request at a time: vLLM's mean accepted length from its /metrics counters, its batch-1
 tokens/s with and without the draft, and whether its outputs with the draft equal its own without."""
 import json
-import os
 import tempfile
 import time
 from collections.abc import Iterator
@@ -15,12 +14,9 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from llmc.core.errors import LlmcError
 from llmc.draft.vllm_export import NOT_EXPORTABLE, VLLM_DIR, VLLM_METHODS, export_for_vllm
-from llmc.external.server_process import free_port, served
-from llmc.external.vllm_server import find_vllm, vllm_model
+from llmc.external.vllm_server import LOCAL_SERVED_NAME, find_vllm, local_vllm, vllm_model
 from llmc.runtime.speculative.store import read_draft_config
 
-SERVED_NAME = "llmc-eval"
-STARTUP_TIMEOUT_S = 900
 MAX_MODEL_LEN = 2048  # the measured prompts and answers fit; a long-context model's own length would reserve far more KV
 
 
@@ -47,24 +43,18 @@ def check_vllm_inputs(draft: Path, vllm: str) -> None:
 
 @contextmanager
 def vllm_server(executable: str, model: str, extra: list[str], log: Path) -> Iterator[str]:
-    """`vllm serve MODEL` on a free local port with every core (unless the environment's own VLLM_CPU_* settings say
-    otherwise), once it answers; its base URL. Stopped on the way out."""
-    port = free_port()
+    """vLLM on the model, one request at a time, no prefix caching: the conditions of llmc's own measurement."""
     folder = vllm_model(model)
-    command = [executable, "serve", folder, "--host", "127.0.0.1", "--port", str(port), "--served-model-name", SERVED_NAME,
-               "--dtype", "bfloat16", "--max-num-seqs", "1", "--no-enable-prefix-caching", "--max-model-len",
-               str(served_length(folder)), *extra]
-    cores = os.cpu_count() or 1
-    env = {"VLLM_CPU_OMP_THREADS_BIND": f"0-{cores - 1}", "VLLM_CPU_NUM_OF_RESERVED_CPU": "0", "VLLM_CPU_KVCACHE_SPACE": "2"} | os.environ
-    url = f"http://127.0.0.1:{port}"
-    with served("vllm serve", command, env, log, f"{url}/health", STARTUP_TIMEOUT_S):
+    flags = ["--dtype", "bfloat16", "--max-num-seqs", "1", "--no-enable-prefix-caching", "--max-model-len",
+             str(served_length(folder)), *extra]
+    with local_vllm(executable, folder, flags, log) as url:
         yield url
 
 
 def generate(url: str, prompts: list[list[int]], max_tokens: int) -> tuple[list[list[int]], float]:
     """Each prompt's greedy token ids, one request at a time, and the seconds they took (after one warm-up request)."""
     def complete(prompt: list[int], tokens: int) -> list[int]:
-        body = {"model": SERVED_NAME, "prompt": prompt, "max_tokens": tokens, "temperature": 0, "return_token_ids": True}
+        body = {"model": LOCAL_SERVED_NAME, "prompt": prompt, "max_tokens": tokens, "temperature": 0, "return_token_ids": True}
         response = httpx.post(f"{url}/v1/completions", json=body, timeout=600)
         response.raise_for_status()
         return response.json()["choices"][0]["token_ids"]

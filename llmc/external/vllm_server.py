@@ -3,13 +3,17 @@
 set explicitly that vLLM has no equivalent for is refused rather than dropped."""
 import os
 import shutil
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 from typing import NoReturn
 
 from llmc.core.errors import LlmcError
+from llmc.external.server_process import free_port, served
 
 REPO_VENV_VLLM = Path(__file__).resolve().parents[1] / ".vllm-venv" / "bin" / "vllm"
+LOCAL_SERVED_NAME = "llmc-local"
+STARTUP_TIMEOUT_S = 900
 INSTALL_HINT = "pip install vllm, or benchmarks/vllm_venv.sh for vLLM's CPU build in .vllm-venv"
 
 # llmc's engine options (cli.ENGINE_OPTIONS) as vLLM flags; each takes the option's value but the flags without one
@@ -81,3 +85,18 @@ def exec_vllm(command: list[str]) -> NoReturn:
         os.execv(command[0], command)
     except OSError as error:
         raise LlmcError(f"cannot run {command[0]}: {error.strerror}") from None
+
+
+@contextmanager
+def local_vllm(executable: str, folder: str, flags: Sequence[str], log: Path, env: Mapping[str, str] = {}) -> Iterator[str]:
+    """`vllm serve FOLDER --served-model-name llmc-local FLAGS` on a free local port with every core (unless the
+    environment's own VLLM_CPU_* settings, or `env`, say otherwise), once it answers; its base URL. Stopped on the way
+    out."""
+    port = free_port()
+    command = [executable, "serve", folder, "--host", "127.0.0.1", "--port", str(port), "--served-model-name",
+               LOCAL_SERVED_NAME, *flags]
+    cores = os.cpu_count() or 1
+    defaults = {"VLLM_CPU_OMP_THREADS_BIND": f"0-{cores - 1}", "VLLM_CPU_NUM_OF_RESERVED_CPU": "0", "VLLM_CPU_KVCACHE_SPACE": "2"}
+    url = f"http://127.0.0.1:{port}"
+    with served("vllm serve", command, defaults | os.environ | dict(env), log, f"{url}/health", STARTUP_TIMEOUT_S):
+        yield url

@@ -41,6 +41,12 @@ class BlockManager:
     def num_used_blocks(self) -> int:
         return self.num_blocks - self.num_free_blocks
 
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached prefix (between benchmark runs of the same prompts); only while no sequence holds blocks."""
+        if self.num_used_blocks:
+            raise RuntimeError(f"reset_prefix_cache: {self.num_used_blocks} blocks are still in use")
+        self.hash_to_block_id.clear()
+
     def _cached_prefix(self, seq: Sequence) -> list[int]:
         if not self.enable_prefix_caching or seq.params.prompt_logprobs is not None:  # those need every prompt token computed
             return []

@@ -1,3 +1,5 @@
+import pytest
+
 from llmc.runtime.engine.block_manager import BlockManager
 from llmc.runtime.engine.sequence import Sequence
 from llmc.runtime.sampling_params import SamplingParams
@@ -49,3 +51,17 @@ def test_hash_hit_with_other_tokens_is_not_reused():
     second = sequence([1, 2, 3, 4, 6])
     assert manager.allocate(second) and second.num_cached_tokens == 0
     assert manager.allocate(sequence([1])) is False  # all four blocks are in use
+
+
+def test_reset_prefix_cache_forgets_every_prefix_and_refuses_while_blocks_are_held():
+    manager = BlockManager(num_blocks=6, block_size=4)
+    first = computed(manager, sequence(list(range(10))))
+    with pytest.raises(RuntimeError, match="still in use"):
+        manager.reset_prefix_cache()
+    manager.free(first)
+    manager.reset_prefix_cache()
+    again = sequence(list(range(10)))
+    assert manager.allocate(again) and again.num_computed_tokens == 0  # computed afresh, as on first sight
+    computed(manager, again)
+    manager.free(again)
+    assert manager.allocate(third := sequence(list(range(10)))) and third.num_computed_tokens == 8  # cached again after

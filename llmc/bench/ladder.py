@@ -1,0 +1,257 @@
+"""`llmc bench --ladder`: the optimisation ladder, one rung after another on the same prompts and device: transformers
+`generate` in static batches, llmc's runtime unquantized, the quantized weights, an FP8 KV cache, draft heads; vLLM
+beside the unquantized and quantized rungs where it is found. Each rung's figure is its goodput at the SLO
+(goodput.py), with its latencies and memory at that rate; a rung that fails is reported in its row and the ladder
+goes on."""
+import asyncio
+import time
+from collections.abc import Callable
+from contextlib import ExitStack
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+
+from llmc.bench.goodput import Goodput, find_goodput
+from llmc.bench.ladder_artifacts import RungArtifacts
+from llmc.bench.ladder_settings import LadderSettings
+from llmc.bench.load import bench_engine, bench_url, run_load, summarize
+from llmc.bench.static_batch import StaticBatchServer, model_dtype
+from llmc.core.errors import LlmcError
+
+
+@dataclass(frozen=True)
+class Rung:
+    name: str
+    configuration: str
+    engine: str  # transformers, llmc or vllm
+    model: str | None  # a model spec or artifact; None when the rung cannot run (`missing` says why)
+    speculative: str = "off"  # llmc's --speculative: off, auto or a draft folder
+    missing: str | None = None
+
+
+@dataclass
+class RungResult:
+    rung: Rung
+    goodput: float | None = None  # requests/s at the SLO; 0.0 when even the lowest probed rate missed it
+    lowest_missed: float | None = None  # with goodput 0.0: that rate
+    goodput_tokens_s: float | None = None
+    ttft_p50_ms: float | None = None
+    ttft_p90_ms: float | None = None
+    tpot_p50_ms: float | None = None
+    tpot_p90_ms: float | None = None
+    weights_bytes: int | None = None
+    kv_bytes: int | None = None
+    quality: dict | None = None  # business recovery, agreement and KL against the base model
+    seconds: float = 0.0
+    budget_s: float = 0.0
+    stopped_by: str | None = None
+    probes: list[dict] = field(default_factory=list)
+    error: str | None = None
+
+    @property
+    def memory_bytes(self) -> int | None:
+        return None if self.weights_bytes is None else self.weights_bytes + (self.kv_bytes or 0)
+
+    def record(self) -> dict:
+        return {"name": self.rung.name, "engine": self.rung.engine} | asdict(self) | {"memory_bytes": self.memory_bytes}
+
+
+def plan_rungs(model: str, artifacts: RungArtifacts, vllm: str | None) -> list[Rung]:
+    """The rungs in order; vLLM's after llmc's, on the unquantized and quantized weights."""
+    quantized = artifacts.quantized
+    no_recipe = "no quantized artifact: give --recipe (or the rung's artifact)"
+    rungs = [Rung("transformers", f"transformers generate, static batches, {model_dtype(model)}".replace("torch.", ""),
+                  "transformers", model),
+             Rung("llmc", "llmc: paged KV, continuous batching, prefix cache", "llmc", model),
+             Rung("quantized", "+ quantized weights", "llmc", quantized, missing=None if quantized else no_recipe)]
+    fp8 = artifacts.fp8_kv
+    rungs.append(Rung("fp8-kv", "+ FP8 KV cache", "llmc", fp8,
+                      missing=None if fp8 else "no FP8 KV artifact: give --recipe (with calibration) or --fp8-kv DIR"))
+    draft_base = fp8 or quantized
+    if artifacts.draft is None:
+        rungs.append(Rung("draft", "+ draft heads (speculative)", "llmc", None,
+                          missing="no draft heads: give a recipe with a draft section, or --draft DIR"))
+    else:
+        draft = Path(artifacts.draft)
+        speculative = str(draft / "draft") if (draft / "draft" / "config.json").is_file() else str(draft)
+        rungs.append(Rung("draft", "+ draft heads (speculative)", "llmc", draft_base, speculative,
+                          missing=None if draft_base else no_recipe))
+    if vllm is not None:
+        rungs.append(Rung("vllm", "vLLM, unquantized", "vllm", model))
+        rungs.append(Rung("vllm-quantized", "vLLM, quantized weights", "vllm", quantized,
+                          missing=None if quantized else no_recipe))
+    return rungs
+
+
+class RungServer:
+    """What a probe needs from a rung: a stream per request (load.run_load's), or a URL, and its memory."""
+
+    def probe(self, prompts: list[str], rate: float, settings: LadderSettings) -> dict:
+        raise NotImplementedError
+
+    def memory(self) -> tuple[int | None, int | None]:
+        """(weights bytes, KV bytes at the peak of the probes so far)"""
+        raise NotImplementedError
+
+
+class TransformersRung(RungServer):
+    def __init__(self, model: str, settings: LadderSettings, device: str):
+        self.server = StaticBatchServer(model, settings.hf_batch_size, device)
+
+    def probe(self, prompts: list[str], rate: float, settings: LadderSettings) -> dict:
+        tokens = [len(self.server.tokenize(prompt)) for prompt in prompts]
+        self.server.start()
+        try:
+            results, duration = asyncio.run(run_load(self.server.stream, prompts, tokens, settings.max_tokens, None, rate,
+                                                     0.0, settings.seed))
+        finally:
+            self.server.stop()
+        return summarize(results, duration)
+
+    def memory(self) -> tuple[int | None, int | None]:
+        return self.server.weight_bytes, self.server.peak_kv_bytes
+
+
+class LlmcRung(RungServer):
+    def __init__(self, llm):
+        self.llm, self.peak_blocks = llm, 0
+
+    def probe(self, prompts: list[str], rate: float, settings: LadderSettings) -> dict:
+        from llmc.runtime.serving.async_engine import AsyncLLMEngine
+
+        self.llm.block_manager.reset_prefix_cache()  # each probe sees the shared prefixes afresh, as the first did
+        engine = AsyncLLMEngine(self.llm, max_waiting=len(prompts))
+        summary = asyncio.run(bench_engine(engine, prompts, max_tokens=settings.max_tokens, concurrency=None,
+                                           request_rate=rate, cancel_fraction=0.0, seed=settings.seed))
+        self.peak_blocks = max(self.peak_blocks, summary["kv_peak_blocks_used"])
+        return summary
+
+    def memory(self) -> tuple[int | None, int | None]:
+        cache = self.llm.runner.kv_cache
+        return resident_bytes(self.llm.runner.model, exclude=cache), cache.nbytes // cache.shape[2] * self.peak_blocks
+
+
+def resident_bytes(model: torch.nn.Module, exclude: torch.Tensor) -> int:
+    """Bytes of every tensor the model's modules hold (parameters, buffers, and tensors kept as plain attributes, such
+    as the int4 kernels' dense copies), each storage once, the KV cache excluded."""
+    storages = {exclude.untyped_storage().data_ptr(): 0}
+    for module in model.modules():
+        for value in [*module._parameters.values(), *module._buffers.values(), *vars(module).values()]:
+            if not isinstance(value, torch.Tensor) or value.device.type == "meta":
+                continue
+            try:
+                storage = value.untyped_storage()
+                storages.setdefault(storage.data_ptr(), storage.nbytes())
+            except NotImplementedError:  # oneDNN's packed (opaque) weights have no storage to share
+                storages.setdefault(id(value), value.numel() * value.element_size())
+    return sum(storages.values())
+
+
+class VllmRung(RungServer):
+    def __init__(self, model: str, vllm: str, max_num_seqs: int, log: Path, stack: ExitStack):
+        from llmc.evals.vllm_speculative import served_length, vllm_executable
+        from llmc.external.vllm_server import LOCAL_SERVED_NAME, local_vllm
+
+        self.model, self.name = model, LOCAL_SERVED_NAME
+        flags = ["--max-num-seqs", str(max_num_seqs), "--max-model-len", str(served_length(model))]
+        # dev mode answers /reset_prefix_cache, so that every probe meets the shared prefixes afresh
+        self.url = stack.enter_context(local_vllm(vllm_executable(vllm), model, flags, log, {"VLLM_SERVER_DEV_MODE": "1"}))
+
+    def probe(self, prompts: list[str], rate: float, settings: LadderSettings) -> dict:
+        import httpx
+        from transformers import AutoTokenizer
+
+        httpx.post(f"{self.url}/reset_prefix_cache", timeout=60).raise_for_status()
+        tokenizer = AutoTokenizer.from_pretrained(self.model)
+        tokens = [len(tokenizer.encode(prompt, add_special_tokens=False)) for prompt in prompts]
+        return asyncio.run(bench_url(self.url, self.name, None, prompts, tokens, max_tokens=settings.max_tokens,
+                                     concurrency=None, request_rate=rate, cancel_fraction=0.0, seed=settings.seed))
+
+    def memory(self) -> tuple[int | None, int | None]:
+        files = Path(self.model).glob("*.safetensors")
+        return sum(file.stat().st_size for file in files) or None, None
+
+
+def open_rung(rung: Rung, settings: LadderSettings, context: "RungContext", stack: ExitStack) -> RungServer:
+    if rung.engine == "transformers":
+        return TransformersRung(rung.model, settings, context.device)
+    if rung.engine == "llmc":
+        return LlmcRung(context.make_engine(rung.model, rung.speculative))
+    from llmc.external.vllm_server import vllm_model
+
+    return VllmRung(vllm_model(rung.model), context.vllm, context.max_num_seqs, context.log_folder / f"{rung.name}.log",
+                    stack)
+
+
+@dataclass(frozen=True)
+class RungContext:
+    """What the rungs share: how the CLI builds llmc's engine (model, speculative -> LLM), vLLM, where logs go."""
+    make_engine: Callable[[str, str], object]
+    max_num_seqs: int
+    log_folder: Path
+    device: str = "cpu"  # the transformers rung's (the llmc rungs' is in make_engine)
+    vllm: str | None = None
+
+
+def run_rung(rung: Rung, prompts: list[str], settings: LadderSettings, budget_s: float, context: RungContext,
+             on_probe: Callable[[str], None]) -> RungResult:
+    """One rung's goodput search within budget_s (its first probe always runs); errors end the rung alone."""
+    result = RungResult(rung, budget_s=budget_s)
+    if rung.missing:
+        result.error = rung.missing
+        return result
+    started = time.monotonic()
+    try:
+        with ExitStack() as stack:
+            server = open_rung(rung, settings, context, stack)
+            # one request alone: warms the rung up and gives the rate one-at-a-time serving would sustain
+            alone = server.probe(prompts[:1], 1.0, settings)
+            start_rate = 1000.0 / alone["e2el"]["p50_ms"]
+
+            def probe(rate: float) -> dict:
+                summary = server.probe(prompts, rate, settings)
+                on_probe(f"{rung.name}: {rate:.3g} req/s, TTFT p90 {summary['ttft'].get('p90_ms', 0):.0f} ms, "
+                         f"TPOT p90 {summary['tpot'].get('p90_ms', 0):.1f} ms")
+                return summary
+
+            found = find_goodput(probe, settings.slo, start_rate, settings.limits, started + budget_s)
+            fill(result, found, server)
+    except (LlmcError, RuntimeError, OSError, ValueError) as error:
+        result.error = f"{type(error).__name__}: {error}"
+    result.seconds = time.monotonic() - started
+    return result
+
+
+def fill(result: RungResult, found: Goodput, server: RungServer) -> None:
+    result.stopped_by = found.stopped_by
+    result.probes = [{"rate": p.rate, "misses": p.misses, "ttft_p90_ms": p.summary["ttft"].get("p90_ms"),
+                      "tpot_p90_ms": p.summary["tpot"].get("p90_ms"), "output_throughput": p.summary["output_throughput"]}
+                     for p in found.probes]
+    result.weights_bytes, result.kv_bytes = server.memory()
+    result.goodput = found.rate
+    if not found.rate and found.probes:
+        result.lowest_missed = min(probe.rate for probe in found.probes)
+    if found.at_rate is not None:
+        at = found.at_rate
+        result.goodput_tokens_s = at["output_throughput"]
+        result.ttft_p50_ms, result.ttft_p90_ms = at["ttft"].get("p50_ms"), at["ttft"].get("p90_ms")
+        result.tpot_p50_ms, result.tpot_p90_ms = at["tpot"].get("p50_ms"), at["tpot"].get("p90_ms")
+
+
+def rung_quality(rungs: list[Rung], base: str, business: Path, items: int) -> dict[str, dict]:
+    """Business recovery, agreement and KL of each rung's weights (and KV cache, emulated) against the base model, by
+    `llmc eval`'s side-by-side comparison; the unquantized rungs are the base, the draft rung serves the FP8 KV
+    artifact's tokens (drafts are verified greedily)."""
+    from llmc.evals.config import BusinessEval, EvalConfig
+    from llmc.evals.suite import EvalTarget, evaluate_side_by_side
+
+    models = sorted({rung.model for rung in rungs if rung.model and rung.model != base})
+    if not models:
+        return {}
+    targets = [EvalTarget("base", base)] + [EvalTarget(model, model) for model in models]
+    report = evaluate_side_by_side(targets, EvalConfig(business=BusinessEval(dataset=str(business), limit=items)))
+    measured = {model: report["targets"][model]["vs_baseline"] for model in models}
+    reference = {"recovery": 1.0, "agreement": 1.0, "kl": 0.0}
+    return {rung.name: measured.get(rung.model, reference) for rung in rungs if rung.model}
+

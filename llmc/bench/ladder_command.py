@@ -1,0 +1,120 @@
+"""`llmc bench --ladder MODEL`: inputs resolved first, the quantized rungs written (or reused), every rung run within
+its share of the budget with a progress bar, then each rung's quality, the table, JSON and PNG."""
+import json
+import os
+import time
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+
+from rich.console import Console
+from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
+from llmc.bench.ladder import RungContext, RungResult, plan_rungs, run_rung, rung_quality
+from llmc.bench.ladder_artifacts import RungArtifacts, ladder_recipes, quantize_rungs
+from llmc.bench.ladder_report import ladder_png, ladder_table
+from llmc.bench.ladder_settings import LadderSettings
+from llmc.core.errors import LlmcError
+from llmc.core.prompts import chat_workload, prompt_rows
+
+DEFAULT_WORKLOAD = Path("calib_data/business/customer_service.jsonl")
+OUTPUTS = ("ladder.json", "ladder.png")
+
+
+@dataclass(frozen=True)
+class LadderInputs:
+    model: str
+    dataset: Path
+    out: Path
+    recipe: Path | None = None
+    given: RungArtifacts = RungArtifacts()  # rung artifacts given on the command line; they win over the recipe's
+    vllm: str | None = None
+    json_path: Path | None = None
+    overwrite: bool = False
+
+
+def check_inputs(inputs: LadderInputs, settings: LadderSettings, console: Console) -> None:
+    """Everything the ladder reads, before any work: the workload, the business set, the recipe, the given artifacts,
+    vLLM, and whether earlier results would be replaced."""
+    prompt_rows(inputs.dataset)
+    if settings.quality_items:
+        from llmc.evals.business_set import load_business_set
+
+        try:
+            load_business_set(inputs.dataset)
+        except LlmcError as error:
+            raise LlmcError(f"--dataset {inputs.dataset}: each rung's quality is measured on it as a business set "
+                            f"({error}); give a business set or --quality-items 0") from None
+    if inputs.recipe is not None:
+        ladder_recipes(inputs.recipe, inputs.model, inputs.out / "artifacts", console)
+    for name, path in vars(inputs.given).items():
+        if path is not None and not Path(path).is_dir():
+            raise LlmcError(f"--{name.replace('_', '-')}: {path} is not a folder")
+    if inputs.vllm is not None:
+        from llmc.evals.vllm_speculative import vllm_executable
+
+        vllm_executable(inputs.vllm)
+    kept = [inputs.out / name for name in OUTPUTS if (inputs.out / name).exists()]
+    if kept and not inputs.overwrite:
+        raise LlmcError(f"{kept[0]} exists (an earlier ladder): pass --overwrite to replace it (the artifacts under "
+                        f"{inputs.out / 'artifacts'} are reused either way), or choose another --out")
+
+
+def rung_artifacts(inputs: LadderInputs, console: Console) -> RungArtifacts:
+    if inputs.recipe is None:
+        return inputs.given
+    made = quantize_rungs(inputs.recipe, inputs.model, inputs.out / "artifacts", console)
+    given = {name: path for name, path in vars(inputs.given).items() if path is not None}
+    return replace(made, **given)
+
+
+def run_ladder(inputs: LadderInputs, settings: LadderSettings, context: RungContext, console: Console) -> list[RungResult]:
+    from transformers import AutoTokenizer
+
+    from llmc.checkpoints.spec import resolve_model
+
+    check_inputs(inputs, settings, console)
+    inputs.out.mkdir(parents=True, exist_ok=True)
+    (inputs.out / "logs").mkdir(exist_ok=True)
+    context = replace(context, log_folder=inputs.out / "logs", vllm=inputs.vllm)
+    prompts = chat_workload(inputs.dataset, settings.num_prompts, AutoTokenizer.from_pretrained(resolve_model(inputs.model)))
+    rungs = plan_rungs(inputs.model, rung_artifacts(inputs, console), inputs.vllm)
+    results: list[RungResult] = []
+    deadline = time.monotonic() + settings.budget_s
+    columns = (TextColumn("{task.description:>16}"), BarColumn(), TextColumn("{task.completed}/{task.total} probes"),
+               TimeElapsedColumn(), TextColumn("{task.fields[last]}"))
+    with Progress(*columns, console=console) as progress:
+        tasks = {rung.name: progress.add_task(rung.name, total=settings.limits.max_probes, last="") for rung in rungs}
+        for index, rung in enumerate(rungs):
+            waiting = sum(1 for later in rungs[index:] if not later.missing)
+            share = max(0.0, deadline - time.monotonic()) / max(1, waiting) if not rung.missing else 0.0
+            progress.update(tasks[rung.name], last=f"budget {share:.0f} s")
+
+            def on_probe(text: str, task=tasks[rung.name]) -> None:
+                progress.update(task, advance=1, last=text)
+
+            results.append(run_rung(rung, prompts, settings, share, context, on_probe))
+            outcome = results[-1].error or f"goodput {results[-1].goodput:.3g} req/s in {results[-1].seconds:.0f} s"
+            progress.update(tasks[rung.name], completed=settings.limits.max_probes, last=outcome)
+    if settings.quality_items:
+        console.print(f"quality: business set {inputs.dataset}, first {settings.quality_items} items, against {inputs.model}")
+        for name, quality in rung_quality(rungs, inputs.model, inputs.dataset, settings.quality_items).items():
+            next(result for result in results if result.rung.name == name).quality = quality
+    write_outputs(inputs, settings, results, console)
+    return results
+
+
+def write_outputs(inputs: LadderInputs, settings: LadderSettings, results: list[RungResult], console: Console) -> None:
+    slo = f"TTFT p90 <= {settings.slo.ttft_p90_ms:g} ms, TPOT p90 <= {settings.slo.tpot_p90_ms:g} ms"
+    console.print(ladder_table(results, slo))
+    record = {"model": inputs.model, "workload": str(inputs.dataset), "slo": slo, "settings": asdict(settings),
+              "rungs": [result.record() for result in results]}
+    text = json.dumps(record, indent=2, default=str)
+    staged = inputs.out / ".ladder.json.partial"
+    staged.write_text(text)
+    os.replace(staged, inputs.out / "ladder.json")
+    staged_png = inputs.out / ".ladder.partial.png"
+    ladder_png(results, staged_png)
+    os.replace(staged_png, inputs.out / "ladder.png")
+    if inputs.json_path is not None:
+        inputs.json_path.write_text(text)
+    console.print(f"wrote {inputs.out / 'ladder.json'} and {inputs.out / 'ladder.png'}")
