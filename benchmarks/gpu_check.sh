@@ -57,7 +57,7 @@ if want ladder; then
     LADDER=$(mktemp -d)
     timeout 120 $PYTHON benchmarks/random_checkpoint.py "$LADDER/llama-3-8b-shaped" --layers 4 &&
         timeout 300 $PYTHON -m llmc bench "$LADDER/llama-3-8b-shaped" --ladder --recipe recipes/smollm2-w4a16-rtn.yaml \
-            --device cuda --budget-s 200 --max-probes 4 --num-prompts 32 --quality-items 0 --out "$LADDER/out" || status=1
+            --device cuda --vllm off --budget-s 200 --max-probes 4 --num-prompts 32 --quality-items 0 --out "$LADDER/out" || status=1
 fi
 
 exit $status

@@ -405,8 +405,9 @@ LADDER_OPTIONS = [
     click.option("--fp8-kv", type=click.Path(path_type=Path), help="--ladder: the FP8 KV cache rung's artifact."),
     click.option("--draft", type=click.Path(path_type=Path),
                  help="--ladder: draft heads for the last rung (a draft folder, or an artifact with draft/)."),
-    click.option("--vllm", "vllm_path", metavar="PATH",
-                 help="--ladder: also vLLM on the unquantized and quantized rungs (its venv or `vllm`)."),
+    click.option("--vllm", "vllm_path", metavar="auto|off|PATH", default="auto", show_default=True,
+                 help="--ladder: vLLM beside the unquantized and quantized rungs: found as `serve --engine vllm` finds it, "
+                 "none, or its venv or `vllm`."),
     click.option("--slo-ttft-ms", type=click.FloatRange(min=0, min_open=True), default=Slo.ttft_p90_ms, show_default=True,
                  help="--ladder: the SLO's p90 time to first token."),
     click.option("--slo-tpot-ms", type=click.FloatRange(min=0, min_open=True), default=Slo.tpot_p90_ms, show_default=True,

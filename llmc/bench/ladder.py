@@ -215,7 +215,8 @@ def run_rung(rung: Rung, prompts: list[str], settings: LadderSettings, budget_s:
                          f"TPOT p90 {summary['tpot'].get('p90_ms', 0):.1f} ms")
                 return summary
 
-            found = find_goodput(probe, settings.slo, start_rate, settings.limits, started + budget_s)
+            # the share bounds the load tests: loading the model and starting a server come before it
+            found = find_goodput(probe, settings.slo, start_rate, settings.limits, time.monotonic() + budget_s)
             fill(result, found, server)
     except (LlmcError, RuntimeError, OSError, ValueError) as error:
         result.error = f"{type(error).__name__}: {error}"

@@ -27,7 +27,7 @@ class LadderInputs:
     out: Path
     recipe: Path | None = None
     given: RungArtifacts = RungArtifacts()  # rung artifacts given on the command line; they win over the recipe's
-    vllm: str | None = None
+    vllm: str = "auto"  # auto, off, or its venv or executable
     json_path: Path | None = None
     overwrite: bool = False
 
@@ -49,7 +49,7 @@ def check_inputs(inputs: LadderInputs, settings: LadderSettings, console: Consol
     for name, path in vars(inputs.given).items():
         if path is not None and not Path(path).is_dir():
             raise LlmcError(f"--{name.replace('_', '-')}: {path} is not a folder")
-    if inputs.vllm is not None:
+    if inputs.vllm not in ("auto", "off"):
         from llmc.evals.vllm_speculative import vllm_executable
 
         vllm_executable(inputs.vllm)
@@ -57,6 +57,21 @@ def check_inputs(inputs: LadderInputs, settings: LadderSettings, console: Consol
     if kept and not inputs.overwrite:
         raise LlmcError(f"{kept[0]} exists (an earlier ladder): pass --overwrite to replace it (the artifacts under "
                         f"{inputs.out / 'artifacts'} are reused either way), or choose another --out")
+
+
+def found_vllm(choice: str, console: Console) -> str | None:
+    """--vllm: auto finds it as `llmc serve --engine vllm` does and leaves vLLM's rungs out where it is not installed."""
+    from llmc.external.vllm_server import find_vllm
+
+    if choice == "off":
+        return None
+    if choice != "auto":
+        return choice
+    try:
+        return find_vllm(None)
+    except LlmcError as error:
+        console.print(f"vLLM's rungs left out: {error}")
+        return None
 
 
 def rung_artifacts(inputs: LadderInputs, console: Console) -> RungArtifacts:
@@ -75,9 +90,10 @@ def run_ladder(inputs: LadderInputs, settings: LadderSettings, context: RungCont
     check_inputs(inputs, settings, console)
     inputs.out.mkdir(parents=True, exist_ok=True)
     (inputs.out / "logs").mkdir(exist_ok=True)
-    context = replace(context, log_folder=inputs.out / "logs", vllm=inputs.vllm)
+    vllm = found_vllm(inputs.vllm, console)
+    context = replace(context, log_folder=inputs.out / "logs", vllm=vllm)
     prompts = chat_workload(inputs.dataset, settings.num_prompts, AutoTokenizer.from_pretrained(resolve_model(inputs.model)))
-    rungs = plan_rungs(inputs.model, rung_artifacts(inputs, console), inputs.vllm)
+    rungs = plan_rungs(inputs.model, rung_artifacts(inputs, console), vllm)
     results: list[RungResult] = []
     deadline = time.monotonic() + settings.budget_s
     columns = (TextColumn("{task.description:>16}"), BarColumn(), TextColumn("{task.completed}/{task.total} probes"),

@@ -3,7 +3,8 @@ are read from the checkpoint's safetensors when its turn comes and released afte
 plus the calibration activations whatever the depth. With calibration data each layer's inputs are the previous
 layer's outputs computed with quantized weights, stages that need data see the inputs of the modules they
 observe, and each layer's output error is measured. The last pass over each layer also calibrates the static input
-scales and the KV-cache scales."""
+scales and the KV-cache scales; where inputs are quantized, one more pass with them quantized as served (with those
+scales) gives the next layer its inputs."""
 import copy
 import ctypes
 import ctypes.util
@@ -18,7 +19,7 @@ from transformers import PretrainedConfig
 
 from llmc.calib.data import CalibrationSet
 from llmc.calib.memory import activations_fit_device
-from llmc.calib.observers import observing_scales
+from llmc.calib.observers import observing_scales, quantizing_inputs
 from llmc.checkpoints.calibration_moe import linearize_experts
 from llmc.checkpoints.checkpoint_reader import CheckpointReader
 from llmc.checkpoints.families import Family, family_for
@@ -199,8 +200,13 @@ def quantize_layerwise(model: SourceModel, quantization: LayerwiseQuantization, 
         if runner:
             round_as_stored(layer, prefix, quantized, quantization.stored_dtype)
             static_inputs = {name: args for name, args in activations.items() if static_input_name(args)}
-            with observing_scales(layer, prefix, static_inputs, quantization.kv_cache, ranks):
-                hidden = runner(layer, hidden)
+            if static_inputs or quantization.kv_cache is not None or not activations:
+                with observing_scales(layer, prefix, static_inputs, quantization.kv_cache, ranks):
+                    next_hidden = runner(layer, hidden)
+            if activations:  # with the inputs quantized as served (by the scales just observed): the next layer's inputs
+                with quantizing_inputs(layer, prefix, activations):
+                    next_hidden = runner(layer, hidden)
+            hidden = next_hidden
             if reference is not None:  # None when no stage changes weights (only the KV cache is calibrated)
                 error_sum, reference_sum = ranks.sum_floats(float(((hidden - reference) ** 2).sum()), float((reference**2).sum()))
                 error = error_sum / max(reference_sum, 1e-30)

@@ -9,7 +9,14 @@ from torch import nn
 
 from llmc.quant.kvcache import KVObserver
 from llmc.quant.layer import recording
-from llmc.quant.qtypes import QuantArgs, compute_qparams, global_scale_of, kv_scale_names, static_input_name
+from llmc.quant.qtypes import (
+    QuantArgs,
+    compute_qparams,
+    fake_quantize_activation,
+    global_scale_of,
+    kv_scale_names,
+    static_input_name,
+)
 from llmc.quant.ranks import SINGLE, Ranks
 
 
@@ -46,3 +53,24 @@ def observing_scales(layer: nn.Module, prefix: str, static_inputs: dict[str, Qua
         observer.absmax = [ranks.max(absmax) for absmax in observer.absmax]
         for name, scale in zip(kv_scale_names(kv_args), observer.scales()):
             attention.register_buffer(name, scale)
+
+
+@contextmanager
+def quantizing_inputs(layer: nn.Module, prefix: str, activations: dict[str, QuantArgs]):
+    """During the `with` body each Linear with quantized inputs fake-quantizes them as inference will (static ones with
+    the scale calibrated before), so that the outputs handed to the next layer carry this layer's activation
+    quantization, as the served model's do."""
+    handles = []
+    for name, args in activations.items():
+        linear = layer.get_submodule(name.removeprefix(f"{prefix}."))
+        static = getattr(linear, static_input_name(args)) if static_input_name(args) else None
+
+        def hook(module, inputs, args=args, static=static):
+            return (fake_quantize_activation(inputs[0], args, static), *inputs[1:])
+
+        handles.append(linear.register_forward_pre_hook(hook))
+    try:
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()

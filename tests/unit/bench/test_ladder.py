@@ -115,7 +115,7 @@ def test_the_ladder_end_to_end_on_a_tiny_model(tmp_path, tiny_llama, calib_file,
     out = tmp_path / "ladder"
     args = ("bench", str(tiny_llama), "--ladder", "--recipe", str(recipe), "--dataset", str(BUSINESS), "--num-prompts", "3",
             "--max-tokens", "4", "--max-probes", "2", "--budget-s", "30", "--quality-items", "2",
-            "--draft", str(trained[0]), "--out", str(out), "--json", str(tmp_path / "ladder.json"))
+            "--draft", str(trained[0]), "--vllm", "off", "--out", str(out), "--json", str(tmp_path / "ladder.json"))
     run = llmc_in_process(*args)
     assert run.returncode == 0, run.stderr
     report = json.loads((tmp_path / "ladder.json").read_text())

@@ -68,3 +68,25 @@ def test_bfloat16_calibration_leaves_data_free_weights_bit_identical(tmp_path, t
     assert manifest["calibration"]["dtype"] == "bfloat16"
     errors = [layer["output_error"] for layer in manifest["layers"]]
     assert all(error is not None and 0 < error < 0.01 for error in errors)
+
+
+def test_the_next_layer_gets_its_inputs_quantized_as_served():
+    """The driver's last pass over a layer with quantized inputs: each Linear sees them fake-quantized as the runtime
+    quantizes them (dynamic per token, or by the static scale calibrated before), and only inside the pass."""
+    from torch import nn
+
+    from llmc.calib.observers import quantizing_inputs
+    from llmc.quant.qtypes import QuantArgs, fake_quantize_activation
+    from llmc.quant.schemes import ACTIVATION_PRESETS
+
+    torch.manual_seed(0)
+    layer = nn.Module()
+    layer.dynamic, layer.static = nn.Linear(8, 4), nn.Linear(8, 4)
+    layer.static.register_buffer("input_scale", torch.tensor([0.05]))
+    per_token, per_tensor = QuantArgs(**ACTIVATION_PRESETS["W8A8"]), QuantArgs(**ACTIVATION_PRESETS["FP8"])
+    x = torch.randn(3, 8)
+    with quantizing_inputs(layer, "model.layers.0", {"model.layers.0.dynamic": per_token, "model.layers.0.static": per_tensor}):
+        dynamic, static = layer.dynamic(x), layer.static(x)
+    assert torch.equal(dynamic, layer.dynamic(fake_quantize_activation(x, per_token)))
+    assert torch.equal(static, layer.static(fake_quantize_activation(x, per_tensor, torch.tensor([0.05]))))
+    assert not torch.equal(dynamic, layer.dynamic(x)) and not torch.equal(static, layer.static(x))
