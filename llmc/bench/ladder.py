@@ -17,7 +17,6 @@ from llmc.bench.ladder_artifacts import RungArtifacts
 from llmc.bench.ladder_settings import LadderSettings
 from llmc.bench.load import bench_engine, bench_url, run_load, summarize
 from llmc.bench.static_batch import StaticBatchServer, model_dtype
-from llmc.core.errors import LlmcError
 
 
 @dataclass(frozen=True)
@@ -207,6 +206,8 @@ def run_rung(rung: Rung, prompts: list[str], settings: LadderSettings, budget_s:
             server = open_rung(rung, settings, context, stack)
             # one request alone: warms the rung up and gives the rate one-at-a-time serving would sustain
             alone = server.probe(prompts[:1], 1.0, settings)
+            if not alone["e2el"]:
+                raise RuntimeError("the warm-up request did not complete")
             start_rate = 1000.0 / alone["e2el"]["p50_ms"]
 
             def probe(rate: float) -> dict:
@@ -218,7 +219,7 @@ def run_rung(rung: Rung, prompts: list[str], settings: LadderSettings, budget_s:
             # the share bounds the load tests: loading the model and starting a server come before it
             found = find_goodput(probe, settings.slo, start_rate, settings.limits, time.monotonic() + budget_s)
             fill(result, found, server)
-    except (LlmcError, RuntimeError, OSError, ValueError) as error:
+    except Exception as error:  # noqa: BLE001 - whatever fails in one rung (a server, a kernel) ends that rung alone
         result.error = f"{type(error).__name__}: {error}"
     result.seconds = time.monotonic() - started
     return result

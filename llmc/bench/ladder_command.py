@@ -109,25 +109,40 @@ def run_ladder(inputs: LadderInputs, settings: LadderSettings, context: RungCont
                 progress.update(task, advance=1, last=text)
 
             results.append(run_rung(rung, prompts, settings, share, context, on_probe))
+            write_record(inputs, settings, results)  # what is finished is kept, whatever stops the ladder later
             outcome = results[-1].error or f"goodput {results[-1].goodput:.3g} req/s in {results[-1].seconds:.0f} s"
             progress.update(tasks[rung.name], completed=settings.limits.max_probes, last=outcome)
     if settings.quality_items:
         console.print(f"quality: business set {inputs.dataset}, first {settings.quality_items} items, against {inputs.model}")
-        for name, quality in rung_quality(rungs, inputs.model, inputs.dataset, settings.quality_items).items():
+        try:
+            measured = rung_quality(rungs, inputs.model, inputs.dataset, settings.quality_items)
+        except Exception as error:  # noqa: BLE001 - the rungs' results are kept and written without it
+            console.print(f"[red]quality not measured: {type(error).__name__}: {error}[/]")
+            measured = {}
+        for name, quality in measured.items():
             next(result for result in results if result.rung.name == name).quality = quality
     write_outputs(inputs, settings, results, console)
     return results
 
 
-def write_outputs(inputs: LadderInputs, settings: LadderSettings, results: list[RungResult], console: Console) -> None:
-    slo = f"TTFT p90 <= {settings.slo.ttft_p90_ms:g} ms, TPOT p90 <= {settings.slo.tpot_p90_ms:g} ms"
-    console.print(ladder_table(results, slo))
-    record = {"model": inputs.model, "workload": str(inputs.dataset), "slo": slo, "settings": asdict(settings),
+def slo_text(settings: LadderSettings) -> str:
+    return f"TTFT p90 <= {settings.slo.ttft_p90_ms:g} ms, TPOT p90 <= {settings.slo.tpot_p90_ms:g} ms"
+
+
+def write_record(inputs: LadderInputs, settings: LadderSettings, results: list[RungResult]) -> str:
+    """OUT/ladder.json, staged and renamed: the rungs measured so far."""
+    record = {"model": inputs.model, "workload": str(inputs.dataset), "slo": slo_text(settings), "settings": asdict(settings),
               "rungs": [result.record() for result in results]}
     text = json.dumps(record, indent=2, default=str)
     staged = inputs.out / ".ladder.json.partial"
     staged.write_text(text)
     os.replace(staged, inputs.out / "ladder.json")
+    return text
+
+
+def write_outputs(inputs: LadderInputs, settings: LadderSettings, results: list[RungResult], console: Console) -> None:
+    console.print(ladder_table(results, slo_text(settings)))
+    text = write_record(inputs, settings, results)
     staged_png = inputs.out / ".ladder.partial.png"
     ladder_png(results, staged_png)
     os.replace(staged_png, inputs.out / "ladder.png")
