@@ -136,3 +136,16 @@ def test_the_ladder_end_to_end_on_a_tiny_model(tmp_path, tiny_llama, calib_file,
     assert (out / "artifacts" / "fp8-kv" / "config.json").is_file()
     again = llmc_in_process(*args)
     assert again.returncode != 0 and "--overwrite" in again.stderr
+
+
+def test_the_chat_workload_keeps_each_items_system_prompt(tiny_llama):
+    from transformers import AutoTokenizer
+
+    from llmc.core.prompts import chat_workload
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_llama)
+    rows = [json.loads(line) for line in BUSINESS.read_text().splitlines() if line.strip()]
+    prompts = chat_workload(BUSINESS, len(rows) + 2, tokenizer)
+    assert prompts[0] == f"<system>{rows[0]['system']}\n<user>{rows[0]['prompt']}\n"
+    assert prompts[len(rows):] == prompts[:2]  # reused in order past the end of the file
+    assert len({rows[i]["system"] for i in range(len(rows))}) < len(rows) / 4  # shared system prompts: prefix caching has work
