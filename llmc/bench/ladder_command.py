@@ -11,7 +11,7 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
 from llmc.bench.ladder import RungContext, RungResult, plan_rungs, run_rung, rung_quality
 from llmc.bench.ladder_artifacts import RungArtifacts, ladder_recipes, quantize_rungs
-from llmc.bench.ladder_report import ladder_png, ladder_table
+from llmc.bench.ladder_report import ladder_png, ladder_table, ratio_to_baseline
 from llmc.bench.ladder_settings import LadderSettings
 from llmc.core.errors import LlmcError
 from llmc.core.prompts import chat_workload, prompt_rows
@@ -132,7 +132,8 @@ def slo_text(settings: LadderSettings) -> str:
 def write_record(inputs: LadderInputs, settings: LadderSettings, results: list[RungResult]) -> str:
     """OUT/ladder.json, staged and renamed: the rungs measured so far."""
     record = {"model": inputs.model, "workload": str(inputs.dataset), "slo": slo_text(settings), "settings": asdict(settings),
-              "rungs": [result.record() for result in results]}
+              "rungs": [result.record() | dict(zip(("x_baseline", "x_baseline_is_lower_bound"), ratio_to_baseline(result, results[0])))
+                        for result in results]}
     text = json.dumps(record, indent=2, default=str)
     staged = inputs.out / ".ladder.json.partial"
     staged.write_text(text)

@@ -16,9 +16,19 @@ def _mib(size: int | None) -> str:
     return "-" if size is None else f"{size / 2**20:,.0f}"
 
 
-def baseline_rate(results: list[RungResult]) -> float | None:
-    first = results[0] if results else None
-    return first.goodput if first is not None and first.goodput else None
+def ratio_to_baseline(result: RungResult, baseline: RungResult | None) -> tuple[float | None, bool]:
+    """The rung's goodput over the baseline's, and whether it is a lower bound: where the baseline met the SLO at no rate
+    tried, over the lowest rate it missed it at."""
+    if baseline is None or baseline.error or not result.goodput:
+        return None, False
+    if baseline.goodput:
+        return result.goodput / baseline.goodput, False
+    return (result.goodput / baseline.lowest_missed, True) if baseline.lowest_missed else (None, False)
+
+
+def _ratio(result: RungResult, baseline: RungResult | None) -> str:
+    value, lower_bound = ratio_to_baseline(result, baseline)
+    return "-" if value is None else f"{'> ' if lower_bound else ''}{value:.2f}"
 
 
 VLLM_BESIDE = {"vllm": "llmc", "vllm-quantized": "quantized"}  # vLLM's rungs, shown in a column of the llmc rung they match
@@ -35,7 +45,7 @@ def ladder_table(results: list[RungResult], slo_text: str) -> Table:
     table = Table("rung", "configuration", "goodput req/s", "tok/s", "x baseline", "TTFT p50 / p90 ms",
                   "TPOT p50 / p90 ms", "memory MiB (weights + KV)", "recovery", "KL", "time s",
                   *(["vLLM req/s"] if vllm else []), title=f"llmc bench --ladder: goodput at {slo_text}")
-    base = baseline_rate(results)
+    baseline = results[0] if results else None
     for result in results:
         if result.rung.name in VLLM_BESIDE:
             continue
@@ -45,10 +55,9 @@ def ladder_table(results: list[RungResult], slo_text: str) -> Table:
             table.add_row(result.rung.name, result.rung.configuration, f"[red]{result.error}[/]", *["-"] * 7,
                           f"{result.seconds:.0f}", *beside)
             continue
-        ratio = result.goodput / base if base and result.goodput is not None else None
         table.add_row(
             result.rung.name, result.rung.configuration, _goodput(result),
-            _cell(result.goodput_tokens_s, ".0f"), _cell(ratio, ".2f"),
+            _cell(result.goodput_tokens_s, ".0f"), _ratio(result, baseline),
             f"{_cell(result.ttft_p50_ms, '.0f')} / {_cell(result.ttft_p90_ms, '.0f')}",
             f"{_cell(result.tpot_p50_ms, '.1f')} / {_cell(result.tpot_p90_ms, '.1f')}",
             f"{_mib(result.memory_bytes)} ({_mib(result.weights_bytes)} + {_mib(result.kv_bytes)})",

@@ -149,3 +149,14 @@ def test_the_chat_workload_keeps_each_items_system_prompt(tiny_llama):
     assert prompts[0] == f"<system>{rows[0]['system']}\n<user>{rows[0]['prompt']}\n"
     assert prompts[len(rows):] == prompts[:2]  # reused in order past the end of the file
     assert len({rows[i]["system"] for i in range(len(rows))}) < len(rows) / 4  # shared system prompts: prefix caching has work
+
+
+def test_the_ratio_to_a_baseline_that_met_the_slo_at_no_rate_is_a_lower_bound():
+    from llmc.bench.ladder import Rung, RungResult
+    from llmc.bench.ladder_report import ratio_to_baseline
+
+    rung = Rung("r", "r", "llmc", "m")
+    fast = RungResult(rung, goodput=2.0)
+    assert ratio_to_baseline(fast, RungResult(rung, goodput=0.5)) == (4.0, False)
+    assert ratio_to_baseline(fast, RungResult(rung, goodput=0.0, lowest_missed=0.25)) == (8.0, True)
+    assert ratio_to_baseline(fast, RungResult(rung, error="failed")) == (None, False)
