@@ -11,7 +11,7 @@ from typing import NoReturn
 from llmc.core.errors import LlmcError
 from llmc.external.server_process import free_port, served
 
-REPO_VENV_VLLM = Path(__file__).resolve().parents[1] / ".vllm-venv" / "bin" / "vllm"
+REPO_VENV_VLLM = Path(__file__).resolve().parents[2] / ".vllm-venv" / "bin" / "vllm"
 LOCAL_SERVED_NAME = "llmc-local"
 STARTUP_TIMEOUT_S = 900
 INSTALL_HINT = "pip install vllm, or benchmarks/vllm_venv.sh for vLLM's CPU build in .vllm-venv"

@@ -94,3 +94,10 @@ def test_vllm_is_looked_up_on_path_then_in_the_repository(tmp_path, monkeypatch)
     on_path.chmod(0o755)
     assert vllm_server.find_vllm(None) == str(on_path)
     assert vllm_server.find_vllm("vllm") == str(on_path)
+
+
+def test_the_repository_venv_is_looked_for_at_the_repository_root():
+    import llmc
+    from llmc.external import vllm_server
+
+    assert vllm_server.REPO_VENV_VLLM == Path(llmc.__file__).resolve().parents[1] / ".vllm-venv" / "bin" / "vllm"
