@@ -416,6 +416,8 @@ LADDER_OPTIONS = [
                  help="--ladder: seconds for all rungs' load tests, shared among the rungs (each runs one probe at least)."),
     click.option("--max-probes", type=click.IntRange(min=1), default=SearchLimits.max_probes, show_default=True,
                  help="--ladder: request rates tried per rung."),
+    click.option("--probe-seconds", type=click.FloatRange(min=1), default=LadderSettings.probe_seconds, show_default=True,
+                 help="--ladder: a probe sends at least as many requests as arrive in this long at its rate."),
     click.option("--hf-batch-size", type=click.IntRange(min=1), default=LadderSettings.hf_batch_size, show_default=True,
                  help="--ladder: the transformers rung's static batch size."),
     click.option("--quality-items", type=click.IntRange(min=0), default=LadderSettings.quality_items, show_default=True,
@@ -425,7 +427,7 @@ LADDER_OPTIONS = [
     click.option("--overwrite", is_flag=True, help="--ladder: replace an earlier ladder.json / ladder.png in --out."),
 ]
 LADDER_NAMES = ("ladder", "recipe", "quantized", "fp8_kv", "draft", "vllm_path", "slo_ttft_ms", "slo_tpot_ms", "budget_s",
-                "max_probes", "hf_batch_size", "quality_items", "out", "overwrite")
+                "max_probes", "probe_seconds", "hf_batch_size", "quality_items", "out", "overwrite")
 BENCH_ONLY = ("url", "request_rate", "cancel_fraction", "shared_prefix_tokens", "chat_template", "baseline",
               "baseline_num_prompts", "concurrency", "speculative")
 
@@ -497,7 +499,7 @@ def run_ladder_command(model: str, dataset: Path | None, num_prompts: int, max_t
     given = RungArtifacts(*(None if ladder[name] is None else str(ladder[name]) for name in ("quantized", "fp8_kv", "draft")))
     inputs = LadderInputs(model, dataset or DEFAULT_WORKLOAD, ladder["out"], ladder["recipe"], given, ladder["vllm_path"],
                           json_path, ladder["overwrite"])
-    settings = LadderSettings(num_prompts, max_tokens, Slo(ladder["slo_ttft_ms"], ladder["slo_tpot_ms"]),
+    settings = LadderSettings(num_prompts, ladder["probe_seconds"], max_tokens, Slo(ladder["slo_ttft_ms"], ladder["slo_tpot_ms"]),
                               SearchLimits(max_probes=ladder["max_probes"]), ladder["budget_s"], ladder["hf_batch_size"],
                               ladder["quality_items"], seed)
 

@@ -4,6 +4,7 @@ beside the unquantized and quantized rungs where it is found. Each rung's figure
 (goodput.py), with its latencies and memory at that rate; a rung that fails is reported in its row and the ladder
 goes on."""
 import asyncio
+import math
 import time
 from collections.abc import Callable
 from contextlib import ExitStack
@@ -29,10 +30,14 @@ class Rung:
     missing: str | None = None
 
 
+WARM_UP_BURST = 8  # requests sent at once before a rung's search
+
+
 @dataclass
 class RungResult:
     rung: Rung
     goodput: float | None = None  # requests/s at the SLO; 0.0 when even the lowest probed rate missed it
+    goodput_is_lower_bound: bool = False  # every rate tried met the SLO: the search ran out of probes or budget first
     lowest_missed: float | None = None  # with goodput 0.0: that rate
     goodput_tokens_s: float | None = None
     ttft_p50_ms: float | None = None
@@ -204,15 +209,16 @@ def run_rung(rung: Rung, prompts: list[str], settings: LadderSettings, budget_s:
     try:
         with ExitStack() as stack:
             server = open_rung(rung, settings, context, stack)
-            # one request alone: warms the rung up and gives the rate one-at-a-time serving would sustain
-            alone = server.probe(prompts[:1], 1.0, settings)
-            if not alone["e2el"]:
-                raise RuntimeError("the warm-up request did not complete")
-            start_rate = 1000.0 / alone["e2el"]["p50_ms"]
+            # a burst of requests at once warms the rung up; the rate it completes them at is the first rate tried
+            burst = server.probe(prompts[:WARM_UP_BURST], 1e6, settings)
+            if not burst["completed"]:
+                raise RuntimeError("the warm-up requests did not complete")
+            start_rate = max(settings.limits.min_rate, burst["request_throughput"])
 
             def probe(rate: float) -> dict:
-                summary = server.probe(prompts, rate, settings)
-                on_probe(f"{rung.name}: {rate:.3g} req/s, TTFT p90 {summary['ttft'].get('p90_ms', 0):.0f} ms, "
+                requests = probe_requests(prompts, rate, settings)
+                summary = server.probe(requests, rate, settings)
+                on_probe(f"{rung.name}: {rate:.3g} req/s x {len(requests)}, TTFT p90 {summary['ttft'].get('p90_ms', 0):.0f} ms, "
                          f"TPOT p90 {summary['tpot'].get('p90_ms', 0):.1f} ms")
                 return summary
 
@@ -225,6 +231,13 @@ def run_rung(rung: Rung, prompts: list[str], settings: LadderSettings, budget_s:
     return result
 
 
+def probe_requests(prompts: list[str], rate: float, settings: LadderSettings) -> list[str]:
+    """A probe's requests: num_prompts, or as many as arrive in probe_seconds at the rate where that is more, so that
+    a fast rung is held at its rate long enough for a queue to build (the prompts reused in order)."""
+    count = max(settings.num_prompts, math.ceil(rate * settings.probe_seconds))
+    return [prompts[index % len(prompts)] for index in range(count)]
+
+
 def fill(result: RungResult, found: Goodput, server: RungServer) -> None:
     result.stopped_by = found.stopped_by
     result.probes = [{"rate": p.rate, "misses": p.misses, "ttft_p90_ms": p.summary["ttft"].get("p90_ms"),
@@ -232,6 +245,7 @@ def fill(result: RungResult, found: Goodput, server: RungServer) -> None:
                      for p in found.probes]
     result.weights_bytes, result.kv_bytes = server.memory()
     result.goodput = found.rate
+    result.goodput_is_lower_bound = bool(found.probes) and not any(probe.misses for probe in found.probes)
     if not found.rate and found.probes:
         result.lowest_missed = min(probe.rate for probe in found.probes)
     if found.at_rate is not None:

@@ -107,6 +107,7 @@ def run_ladder(inputs: LadderInputs, settings: LadderSettings, context: RungCont
 
             def on_probe(text: str, task=tasks[rung.name]) -> None:
                 progress.update(task, advance=1, last=text)
+                progress.console.print(text)  # a line per probe, kept in logs where no bar is drawn
 
             results.append(run_rung(rung, prompts, settings, share, context, on_probe))
             write_record(inputs, settings, results)  # what is finished is kept, whatever stops the ladder later
@@ -142,7 +143,9 @@ def write_record(inputs: LadderInputs, settings: LadderSettings, results: list[R
 
 
 def write_outputs(inputs: LadderInputs, settings: LadderSettings, results: list[RungResult], console: Console) -> None:
-    console.print(ladder_table(results, slo_text(settings)))
+    table = ladder_table(results, slo_text(settings))
+    # a log or pipe has no width of its own: wide enough that the figures are not cut
+    console.print(table, width=None if console.is_terminal else 220)
     text = write_record(inputs, settings, results)
     staged_png = inputs.out / ".ladder.partial.png"
     ladder_png(results, staged_png)

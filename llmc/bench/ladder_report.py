@@ -37,7 +37,9 @@ VLLM_BESIDE = {"vllm": "llmc", "vllm-quantized": "quantized"}  # vLLM's rungs, s
 def _goodput(result: RungResult) -> str:
     if result.error:
         return "failed"
-    return f"< {result.lowest_missed:.3g}" if result.lowest_missed else _cell(result.goodput, ".3g")
+    if result.lowest_missed:
+        return f"< {result.lowest_missed:.3g}"
+    return f"{'>= ' if result.goodput_is_lower_bound else ''}{_cell(result.goodput, '.3g')}"
 
 
 def ladder_table(results: list[RungResult], slo_text: str) -> Table:

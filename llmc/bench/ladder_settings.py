@@ -6,7 +6,8 @@ from llmc.bench.goodput import SearchLimits, Slo
 
 @dataclass(frozen=True)
 class LadderSettings:
-    num_prompts: int = 64  # requests per probed rate
+    num_prompts: int = 64  # requests per probed rate, at least
+    probe_seconds: float = 30.0  # and at least as many as arrive in this long at the rate
     max_tokens: int = 128
     slo: Slo = Slo()
     limits: SearchLimits = SearchLimits()

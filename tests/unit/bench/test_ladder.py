@@ -114,7 +114,7 @@ def test_the_ladder_end_to_end_on_a_tiny_model(tmp_path, tiny_llama, calib_file,
     recipe = write_recipe(tmp_path / "w4.yaml", tiny_llama, tmp_path / "unused", w4a16, calib_file)
     out = tmp_path / "ladder"
     args = ("bench", str(tiny_llama), "--ladder", "--recipe", str(recipe), "--dataset", str(BUSINESS), "--num-prompts", "3",
-            "--max-tokens", "4", "--max-probes", "2", "--budget-s", "30", "--quality-items", "2",
+            "--max-tokens", "4", "--max-probes", "2", "--probe-seconds", "1", "--budget-s", "30", "--quality-items", "2",
             "--draft", str(trained[0]), "--vllm", "off", "--out", str(out), "--json", str(tmp_path / "ladder.json"))
     run = llmc_in_process(*args)
     assert run.returncode == 0, run.stderr
