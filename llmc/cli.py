@@ -492,23 +492,27 @@ def bench(ctx: click.Context, model: str, dataset: Path | None, url: str | None,
 
 def run_ladder_command(model: str, dataset: Path | None, num_prompts: int, max_tokens: int, seed: int,
                        json_path: Path | None, ladder: dict, engine_options: dict) -> None:
-    from llmc.bench.ladder import RungContext
-    from llmc.bench.ladder_artifacts import RungArtifacts
-    from llmc.bench.ladder_command import DEFAULT_WORKLOAD, LadderInputs, run_ladder
+    from llmc.bench.ladder import RungArtifacts, RungContext
+    from llmc.bench.ladder_command import DEFAULT_WORKLOAD, LadderInputs, check_inputs, run_ladder
 
     given = RungArtifacts(*(None if ladder[name] is None else str(ladder[name]) for name in ("quantized", "fp8_kv", "draft")))
-    inputs = LadderInputs(model, dataset or DEFAULT_WORKLOAD, ladder["out"], ladder["recipe"], given, ladder["vllm_path"],
-                          json_path, ladder["overwrite"])
+    inputs = LadderInputs(model, dataset or DEFAULT_WORKLOAD, ladder["out"], ladder["vllm_path"], json_path, ladder["overwrite"])
     settings = LadderSettings(num_prompts, ladder["probe_seconds"], max_tokens, Slo(ladder["slo_ttft_ms"], ladder["slo_tpot_ms"]),
                               SearchLimits(max_probes=ladder["max_probes"]), ladder["budget_s"], ladder["hf_batch_size"],
                               ladder["quality_items"], seed)
+    check_inputs(inputs, settings, given)
+    artifacts = given
+    if ladder["recipe"] is not None:  # its two recipes checked, then their artifacts written (given ones win)
+        from llmc.pipeline.ladder_recipes import quantize_rungs
 
+        made = quantize_rungs(ladder["recipe"], model, ladder["out"] / "artifacts", console)
+        artifacts = RungArtifacts(**(made | {name: path for name, path in vars(given).items() if path is not None}))
     device = str(chosen_device(engine_options["device"]))
 
     def make_engine(rung_model: str, speculative: str):
         return build_engine(rung_model, **(engine_options | {"speculative": speculative, "device": device}))
 
-    run_ladder(inputs, settings, RungContext(make_engine, engine_options["max_num_seqs"], ladder["out"], device), console)
+    run_ladder(inputs, artifacts, settings, RungContext(make_engine, engine_options["max_num_seqs"], ladder["out"], device), console)
 
 
 def main() -> None:

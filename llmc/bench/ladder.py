@@ -14,10 +14,16 @@ from pathlib import Path
 import torch
 
 from llmc.bench.goodput import Goodput, find_goodput
-from llmc.bench.ladder_artifacts import RungArtifacts
 from llmc.bench.ladder_settings import LadderSettings
 from llmc.bench.load import bench_engine, bench_url, run_load, summarize
 from llmc.bench.static_batch import StaticBatchServer, model_dtype
+
+
+@dataclass(frozen=True)
+class RungArtifacts:
+    quantized: str | None = None  # the quantized weights
+    fp8_kv: str | None = None  # the same weights with an FP8 KV cache
+    draft: str | None = None  # draft heads for the last rung: a draft folder, or an artifact holding draft/
 
 
 @dataclass(frozen=True)

@@ -1,5 +1,6 @@
-"""`llmc bench --ladder MODEL`: inputs resolved first, the quantized rungs written (or reused), every rung run within
-its share of the budget with a progress bar, then each rung's quality, the table, JSON and PNG."""
+"""`llmc bench --ladder MODEL`: the inputs resolved first (the CLI then writes the recipe's rungs, pipeline/
+ladder_recipes.py), every rung run within its share of the budget with a progress bar, then each rung's quality, the
+table, JSON and PNG."""
 import json
 import os
 import time
@@ -9,8 +10,7 @@ from pathlib import Path
 from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
-from llmc.bench.ladder import RungContext, RungResult, plan_rungs, run_rung, rung_quality
-from llmc.bench.ladder_artifacts import RungArtifacts, ladder_recipes, quantize_rungs
+from llmc.bench.ladder import RungArtifacts, RungContext, RungResult, plan_rungs, run_rung, rung_quality
 from llmc.bench.ladder_report import ladder_png, ladder_table, ratio_to_baseline
 from llmc.bench.ladder_settings import LadderSettings
 from llmc.core.errors import LlmcError
@@ -25,16 +25,17 @@ class LadderInputs:
     model: str
     dataset: Path
     out: Path
-    recipe: Path | None = None
-    given: RungArtifacts = RungArtifacts()  # rung artifacts given on the command line; they win over the recipe's
     vllm: str = "auto"  # auto, off, or its venv or executable
     json_path: Path | None = None
     overwrite: bool = False
 
 
-def check_inputs(inputs: LadderInputs, settings: LadderSettings, console: Console) -> None:
-    """Everything the ladder reads, before any work: the workload, the business set, the recipe, the given artifacts,
-    vLLM, and whether earlier results would be replaced."""
+def check_inputs(inputs: LadderInputs, settings: LadderSettings, given: RungArtifacts) -> None:
+    """What the ladder reads, before any work (the CLI checks the recipe): the workload, the business set, the rung
+    artifacts given, vLLM, and whether earlier results would be replaced."""
+    for name, path in vars(given).items():
+        if path is not None and not Path(path).is_dir():
+            raise LlmcError(f"--{name.replace('_', '-')}: {path} is not a folder")
     prompt_rows(inputs.dataset)
     if settings.quality_items:
         from llmc.evals.business_set import load_business_set
@@ -44,11 +45,6 @@ def check_inputs(inputs: LadderInputs, settings: LadderSettings, console: Consol
         except LlmcError as error:
             raise LlmcError(f"--dataset {inputs.dataset}: each rung's quality is measured on it as a business set "
                             f"({error}); give a business set or --quality-items 0") from None
-    if inputs.recipe is not None:
-        ladder_recipes(inputs.recipe, inputs.model, inputs.out / "artifacts", console)
-    for name, path in vars(inputs.given).items():
-        if path is not None and not Path(path).is_dir():
-            raise LlmcError(f"--{name.replace('_', '-')}: {path} is not a folder")
     if inputs.vllm not in ("auto", "off"):
         from llmc.evals.vllm_speculative import vllm_executable
 
@@ -74,26 +70,19 @@ def found_vllm(choice: str, console: Console) -> str | None:
         return None
 
 
-def rung_artifacts(inputs: LadderInputs, console: Console) -> RungArtifacts:
-    if inputs.recipe is None:
-        return inputs.given
-    made = quantize_rungs(inputs.recipe, inputs.model, inputs.out / "artifacts", console)
-    given = {name: path for name, path in vars(inputs.given).items() if path is not None}
-    return replace(made, **given)
-
-
-def run_ladder(inputs: LadderInputs, settings: LadderSettings, context: RungContext, console: Console) -> list[RungResult]:
+def run_ladder(inputs: LadderInputs, artifacts: RungArtifacts, settings: LadderSettings, context: RungContext,
+               console: Console) -> list[RungResult]:
+    """artifacts: the rungs' artifacts, checked by check_inputs (or written by the recipe's quantization)."""
     from transformers import AutoTokenizer
 
     from llmc.checkpoints.spec import resolve_model
 
-    check_inputs(inputs, settings, console)
     inputs.out.mkdir(parents=True, exist_ok=True)
     (inputs.out / "logs").mkdir(exist_ok=True)
     vllm = found_vllm(inputs.vllm, console)
     context = replace(context, log_folder=inputs.out / "logs", vllm=vllm)
     prompts = chat_workload(inputs.dataset, settings.num_prompts, AutoTokenizer.from_pretrained(resolve_model(inputs.model)))
-    rungs = plan_rungs(inputs.model, rung_artifacts(inputs, console), vllm)
+    rungs = plan_rungs(inputs.model, artifacts, vllm)
     results: list[RungResult] = []
     deadline = time.monotonic() + settings.budget_s
     columns = (TextColumn("{task.description:>16}"), BarColumn(), TextColumn("{task.completed}/{task.total} probes"),

@@ -10,8 +10,7 @@ import pytest
 from helpers import llmc_in_process, write_recipe
 
 from llmc.bench.goodput import SearchLimits, Slo, find_goodput
-from llmc.bench.ladder import plan_rungs
-from llmc.bench.ladder_artifacts import RungArtifacts
+from llmc.bench.ladder import RungArtifacts, plan_rungs
 from llmc.bench.load import RequestResult, measure
 
 REPO = Path(__file__).resolve().parents[3]

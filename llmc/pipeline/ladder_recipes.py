@@ -1,7 +1,7 @@
-"""The ladder's quantized rungs from one recipe: its weights alone (no KV cache section, no draft), and its weights
-with an FP8 KV cache and the recipe's draft heads, when it has a draft section (the draft rung serves that artifact
-with them, the FP8 rung without). Written under OUT/artifacts; a complete artifact left by an earlier run is reused."""
-from dataclasses import dataclass
+"""`llmc bench --ladder --recipe`: the quantized rungs' artifacts from one recipe: its weights alone (no KV cache
+section, no draft), and its weights with an FP8 KV cache and the recipe's draft heads, when it has a draft section (the
+draft rung serves that artifact with them, the FP8 rung without). Written under OUT/artifacts; a complete artifact
+left by an earlier run is reused."""
 from pathlib import Path
 
 from rich.console import Console
@@ -9,13 +9,6 @@ from rich.console import Console
 from llmc.core.errors import LlmcError
 from llmc.evals.config import EvalConfig
 from llmc.pipeline.recipe import Recipe, load_recipe
-
-
-@dataclass(frozen=True)
-class RungArtifacts:
-    quantized: str | None = None  # the quantized weights
-    fp8_kv: str | None = None  # the same weights with an FP8 KV cache
-    draft: str | None = None  # draft heads for the last rung: a draft folder, or an artifact holding draft/
 
 
 def ladder_recipes(recipe_path: Path, model: str, folder: Path, console: Console) -> dict[str, Recipe]:
@@ -34,7 +27,8 @@ def ladder_recipes(recipe_path: Path, model: str, folder: Path, console: Console
     return recipes
 
 
-def quantize_rungs(recipe_path: Path, model: str, folder: Path, console: Console) -> RungArtifacts:
+def quantize_rungs(recipe_path: Path, model: str, folder: Path, console: Console) -> dict[str, str | None]:
+    """The rungs' artifacts by RungArtifacts' field names (quantized, fp8_kv, draft)."""
     from llmc.pipeline.preflight import resolve_eval_and_draft_inputs
     from llmc.pipeline.quantize import run_quantize
 
@@ -49,4 +43,4 @@ def quantize_rungs(recipe_path: Path, model: str, folder: Path, console: Console
             run_quantize(recipe, eval_inputs=resolve_eval_and_draft_inputs(recipe, overwrite=False))
         written[name] = str(output)
     fp8 = Path(written["fp8_kv"])
-    return RungArtifacts(written["quantized"], written["fp8_kv"], str(fp8) if (fp8 / "draft").is_dir() else None)
+    return written | {"draft": str(fp8) if (fp8 / "draft").is_dir() else None}
