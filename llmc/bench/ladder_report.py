@@ -83,6 +83,8 @@ def ladder_png(results: list[RungResult], path: Path) -> None:
         twin = axis.twinx()
         twin.bar([p + 0.2 for p in positions], memory, width=0.4, color="tab:orange", label="memory (MiB)")
         twin.set_ylabel("weights + KV cache (MiB)")
+        axis.set_ylim(0, 1.3 * max(goodput, default=0) or 1)  # headroom for the legends
+        twin.set_ylim(0, 1.3 * max(memory, default=0) or 1)
         for position, result in zip(positions, results):
             if result.error:
                 axis.annotate("failed", (position, 0), ha="center", va="bottom", color="red")
