@@ -465,7 +465,7 @@ def bench(ctx: click.Context, model: str, dataset: Path | None, url: str | None,
     require_serve_extra()
     ladder = {name: options.pop(name) for name in LADDER_NAMES}
     if ladder.pop("ladder"):
-        conflicting = [name for name in BENCH_ONLY if name in explicit_options(ctx, dict.fromkeys(BENCH_ONLY))]
+        conflicting = list(explicit_options(ctx, dict.fromkeys(BENCH_ONLY)))
         if conflicting:
             raise LlmcError(f"--{conflicting[0].replace('_', '-')}: not with --ladder, which probes each rung at request "
                             "rates it chooses")
@@ -495,7 +495,8 @@ def run_ladder_command(model: str, dataset: Path | None, num_prompts: int, max_t
     from llmc.bench.ladder import RungArtifacts, RungContext
     from llmc.bench.ladder_command import DEFAULT_WORKLOAD, LadderInputs, check_inputs, run_ladder
 
-    given = RungArtifacts(*(None if ladder[name] is None else str(ladder[name]) for name in ("quantized", "fp8_kv", "draft")))
+    paths = {field.name: ladder[field.name] for field in dataclasses.fields(RungArtifacts)}
+    given = RungArtifacts(**{name: None if path is None else str(path) for name, path in paths.items()})
     inputs = LadderInputs(model, dataset or DEFAULT_WORKLOAD, ladder["out"], ladder["vllm_path"], json_path, ladder["overwrite"])
     settings = LadderSettings(num_prompts, ladder["probe_seconds"], max_tokens, Slo(ladder["slo_ttft_ms"], ladder["slo_tpot_ms"]),
                               SearchLimits(max_probes=ladder["max_probes"]), ladder["budget_s"], ladder["hf_batch_size"],

@@ -11,11 +11,10 @@ from contextlib import ExitStack
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-import torch
-
 from llmc.bench.goodput import Goodput, find_goodput
 from llmc.bench.ladder_settings import LadderSettings
 from llmc.bench.load import bench_engine, bench_url, run_load, summarize
+from llmc.bench.model_memory import resident_bytes
 from llmc.bench.static_batch import StaticBatchServer, model_dtype
 
 
@@ -142,39 +141,23 @@ class LlmcRung(RungServer):
         return resident_bytes(self.llm.runner.model, exclude=cache), cache.nbytes // cache.shape[2] * self.peak_blocks
 
 
-def resident_bytes(model: torch.nn.Module, exclude: torch.Tensor) -> int:
-    """Bytes of every tensor the model's modules hold (parameters, buffers, and tensors kept as plain attributes, such
-    as the int4 kernels' dense copies), each storage once, the KV cache excluded."""
-    storages = {exclude.untyped_storage().data_ptr(): 0}
-    for module in model.modules():
-        for value in [*module._parameters.values(), *module._buffers.values(), *vars(module).values()]:
-            if not isinstance(value, torch.Tensor) or value.device.type == "meta":
-                continue
-            try:
-                storage = value.untyped_storage()
-                storages.setdefault(storage.data_ptr(), storage.nbytes())
-            except NotImplementedError:  # oneDNN's packed (opaque) weights have no storage to share
-                storages.setdefault(id(value), value.numel() * value.element_size())
-    return sum(storages.values())
-
-
 class VllmRung(RungServer):
     def __init__(self, model: str, vllm: str, max_num_seqs: int, log: Path, stack: ExitStack):
+        from transformers import AutoTokenizer
+
         from llmc.evals.vllm_speculative import served_length, vllm_executable
         from llmc.external.vllm_server import LOCAL_SERVED_NAME, local_vllm
 
-        self.model, self.name = model, LOCAL_SERVED_NAME
+        self.model, self.name, self.tokenizer = model, LOCAL_SERVED_NAME, AutoTokenizer.from_pretrained(model)
         flags = ["--max-num-seqs", str(max_num_seqs), "--max-model-len", str(served_length(model))]
         # dev mode answers /reset_prefix_cache, so that every probe meets the shared prefixes afresh
         self.url = stack.enter_context(local_vllm(vllm_executable(vllm), model, flags, log, {"VLLM_SERVER_DEV_MODE": "1"}))
 
     def probe(self, prompts: list[str], rate: float, settings: LadderSettings) -> dict:
         import httpx
-        from transformers import AutoTokenizer
 
         httpx.post(f"{self.url}/reset_prefix_cache", timeout=60).raise_for_status()
-        tokenizer = AutoTokenizer.from_pretrained(self.model)
-        tokens = [len(tokenizer.encode(prompt, add_special_tokens=False)) for prompt in prompts]
+        tokens = [len(self.tokenizer.encode(prompt, add_special_tokens=False)) for prompt in prompts]
         return asyncio.run(bench_url(self.url, self.name, None, prompts, tokens, max_tokens=settings.max_tokens,
                                      concurrency=None, request_rate=rate, cancel_fraction=0.0, seed=settings.seed))
 

@@ -11,6 +11,7 @@ import torch
 from transformers import AutoConfig
 from transformers.generation.streamers import BaseStreamer
 
+from llmc.bench.model_memory import resident_bytes
 from llmc.checkpoints.spec import resolve_model
 from llmc.evals.loading import load_model
 
@@ -66,7 +67,7 @@ class StaticBatchServer:
 
     @property
     def weight_bytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in {p.data_ptr(): p for p in self.loaded.model.parameters()}.values())
+        return resident_bytes(self.loaded.model)
 
     def tokenize(self, prompt: str) -> list[int]:
         return self.tokenizer.encode(prompt, add_special_tokens=False)

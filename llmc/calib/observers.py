@@ -8,15 +8,8 @@ import torch
 from torch import nn
 
 from llmc.quant.kvcache import KVObserver
-from llmc.quant.layer import recording
-from llmc.quant.qtypes import (
-    QuantArgs,
-    compute_qparams,
-    fake_quantize_activation,
-    global_scale_of,
-    kv_scale_names,
-    static_input_name,
-)
+from llmc.quant.layer import quantizing_inputs_of, recording
+from llmc.quant.qtypes import QuantArgs, compute_qparams, global_scale_of, kv_scale_names, static_input_name
 from llmc.quant.ranks import SINGLE, Ranks
 
 
@@ -64,11 +57,7 @@ def quantizing_inputs(layer: nn.Module, prefix: str, activations: dict[str, Quan
     for name, args in activations.items():
         linear = layer.get_submodule(name.removeprefix(f"{prefix}."))
         static = getattr(linear, static_input_name(args)) if static_input_name(args) else None
-
-        def hook(module, inputs, args=args, static=static):
-            return (fake_quantize_activation(inputs[0], args, static), *inputs[1:])
-
-        handles.append(linear.register_forward_pre_hook(hook))
+        handles.append(quantizing_inputs_of(linear, args, static))
     try:
         yield
     finally:

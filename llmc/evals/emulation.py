@@ -5,15 +5,12 @@ from torch import nn
 
 from llmc.artifact.reader import RuntimeQuantization
 from llmc.quant.kvcache import KV_ATTENTION, KVFakeQuantizer
-from llmc.quant.qtypes import fake_quantize_activation
+from llmc.quant.layer import quantizing_inputs_of
 
 
 def emulate_runtime_quantization(model: nn.Module, runtime: RuntimeQuantization) -> None:
     for name, (args, static_scale) in runtime.inputs.items():
-        def hook(module, inputs, args=args, static_scale=static_scale):
-            return (fake_quantize_activation(inputs[0], args, static_scale), *inputs[1:])
-
-        model.get_submodule(name).register_forward_pre_hook(hook)
+        quantizing_inputs_of(model.get_submodule(name), args, static_scale)
     if runtime.kv_cache is None:
         return
     for name, (k_scale, v_scale) in runtime.kv_scales.items():

@@ -9,7 +9,7 @@ from torch import nn
 
 from llmc.checkpoints.families import rope_layer_types, sliding_windows
 from llmc.quant.kvcache import visible_keys
-from llmc.quant.qtypes import QuantArgs
+from llmc.quant.qtypes import QuantArgs, fake_quantize_activation
 from llmc.quant.ranks import SINGLE, Ranks
 
 COMPUTE_DTYPE = torch.float32
@@ -92,6 +92,15 @@ class LayerWork:
     plan: dict[str, QuantArgs]  # every Linear of the layer some stage quantizes, with its format
     runner: LayerRunner | None
     ranks: Ranks = SINGLE  # the processes calibrating together, each on its share of the samples
+
+
+def quantizing_inputs_of(module: nn.Module, args: QuantArgs, static_scale: torch.Tensor | None):
+    """A forward pre-hook on `module` that fake-quantizes its input as the runtime quantizes it (dynamically, or by the
+    calibrated static scale); its handle."""
+    def hook(module, inputs):
+        return (fake_quantize_activation(inputs[0], args, static_scale), *inputs[1:])
+
+    return module.register_forward_pre_hook(hook)
 
 
 @contextmanager
