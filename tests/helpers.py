@@ -66,6 +66,24 @@ def first_layer(model: Path, num_samples: int, seq_len: int, seed: int) -> First
     return FirstLayer(config, skeleton, layer, embed(reader, family, input_ids))
 
 
+WINDOW = 8  # shorter than the prompts plus 32 tokens, so windows matter
+# per family, the config fields that turn on what sets it apart, in tiny shapes
+FAMILY_CONFIGS = {
+    "qwen3": dict(head_dim=16),
+    "smollm3": dict(num_layers=3, no_rope_layers=[1, 0, 1], pad_token_id=0),
+    "mistral": dict(sliding_window=WINDOW),
+    "gemma2": dict(
+        head_dim=16, query_pre_attn_scalar=24, sliding_window=WINDOW, layer_types=["sliding_attention", "full_attention"],
+        attn_logit_softcapping=2.0, final_logit_softcapping=3.0, tie_word_embeddings=True,
+    ),
+    "gemma3_text": dict(
+        head_dim=16, query_pre_attn_scalar=24, sliding_window=WINDOW, layer_types=["sliding_attention", "full_attention"],
+        tie_word_embeddings=True,
+    ),
+    "phi3": dict(pad_token_id=0, rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5}),
+}
+
+
 def build_tiny_model(folder: Path, model_type: str = "llama", num_layers: int = 2, hidden: int = 64, seed: int = 0,
                      max_position_embeddings: int = 512, **config_overrides) -> Path:
     """A random checkpoint of the family in tiny shapes, from transformers' own config class; config_overrides set or

@@ -16,6 +16,8 @@ GPTQ_SOLVE_COPIES = 7  # square float32 matrices alive at once while solving the
 GPTQ_STACKED_COPIES = 3  # the gate/up weights stacked for one solve, its float32 working copy, that copy in act-order
 # a layer's inputs, its reference outputs, and its new outputs twice while their batches are concatenated
 ACTIVATION_COPIES = 4
+AUTOROUND_BATCH = 8  # samples per step (the stage's default batch_size)
+AUTOROUND_BATCH_COPIES = 12  # per token, the widest-width tensors a decoder layer's backward pass keeps
 
 
 @dataclass
@@ -80,7 +82,7 @@ def estimate_memory(config, stage_types: list[str], num_samples: int, seq_len: i
         # gate, up and their product; a MoE layer keeps each expert's product until its down projection runs
         "batch intermediates": (shapes.experts + 2) * min(RUNNER_BATCH, num_samples) * seq_len * shapes.intermediate * FLOAT32
         if tokens else 0,
-        "statistics": _statistics_bytes(shapes, stage_types, tokens),
+        "statistics": _statistics_bytes(shapes, stage_types, tokens, max(seq_len, 1)),
     }
     stored = shapes.vocab * shapes.hidden * checkpoint_bytes(config)
     embedding = shapes.vocab * shapes.hidden * FLOAT32 + stored  # embedding the calibration set: a float32 copy of the table
@@ -100,7 +102,7 @@ def checkpoint_bytes(config) -> int:
     return (getattr(torch, dtype) if isinstance(dtype, str) else dtype).itemsize
 
 
-def _statistics_bytes(shapes: LayerShapes, stage_types: list[str], tokens: int) -> int:
+def _statistics_bytes(shapes: LayerShapes, stage_types: list[str], tokens: int, seq_len: int) -> int:
     widest = max(shapes.hidden, shapes.attention_width, shapes.intermediate)
     total = 0
     if "gptq" in stage_types:
@@ -111,6 +113,11 @@ def _statistics_bytes(shapes: LayerShapes, stage_types: list[str], tokens: int) 
         total += (hessians + GPTQ_SOLVE_COPIES * widest**2 + stacked_gate_up) * FLOAT32
     if "awq" in stage_types:  # every block's inputs, kept until the layer's scales are searched
         total += tokens * (2 * shapes.hidden + shapes.attention_width + shapes.experts * shapes.intermediate) * FLOAT32
+    if "autoround" in stage_types:
+        # the layer's inputs, the full-precision stream and its targets; per weight its offsets, their gradient, the
+        # best step's copy and the fake-quantized weight; a batch's activations kept for the backward pass
+        total += 3 * tokens * shapes.hidden * FLOAT32 + 4 * shapes.layer_params * FLOAT32
+        total += AUTOROUND_BATCH_COPIES * min(AUTOROUND_BATCH, tokens // seq_len) * seq_len * widest * FLOAT32
     return total
 
 

@@ -85,6 +85,7 @@ class Family:
     )
     # their outputs meet in the attention softmax, so a clip's error on their own outputs says little
     no_clip: tuple[str, ...] = ("self_attn.q_proj", "self_attn.k_proj")
+    attention_output: str = "self_attn.o_proj"  # under a decoder layer, the Linear that reads every head's output
     norm_offset: float = 0.0  # norms scale by (offset + weight): Gemma's 1
     embedding_scale: bool = False  # the embeddings multiplied by sqrt(hidden_size) (Gemma)
     # post_attention_layernorm norms the attention's output, and pre_/post_feedforward_layernorm the MLP's input and

@@ -40,7 +40,7 @@ from llmc.pipeline.preflight import resolve_eval_and_draft_inputs, resolved
 from llmc.pipeline.recipe import Recipe
 from llmc.quant.plan import build_plan
 from llmc.quant.ranks import ranks_from_environment
-from llmc.quant.stage import StageRole, stage_type_of, start_stage
+from llmc.quant.stage import StageRole, source_of, stage_type_of, start_stage
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 LIBRARIES = ("torch", "transformers", "compressed-tensors", "safetensors", "datasets")
@@ -90,6 +90,8 @@ def run_quantize(recipe: Recipe, overwrite: bool = False, eval_inputs: EvalInput
     exporter = exporter_for(recipe.export, kv_cache, recipe.gptq_dampening_frac)
     stages = [start_stage(stage, exporter.scale_dtype or dtype, family) for stage in recipe.stages]
     skeleton = build_skeleton(config)
+    reader = source_of(stages, CheckpointReader(folder), skeleton, config)  # a stage that cannot change this model says so now
+    config_changes = {key: value for stage in stages for key, value in stage.config_changes(config).items()}
     plan = build_plan(stages, decoder_linears(skeleton, family), kv_only=not recipe.stages)
     calibration = None
     if recipe.calibration:
@@ -108,14 +110,13 @@ def run_quantize(recipe: Recipe, overwrite: bool = False, eval_inputs: EvalInput
     run = RunFacts(describe_run(recipe, dtype, calibration), ranks.world_size, estimate.to_dict(), time.perf_counter() - started)
     layerwise = LayerwiseQuantization(stages, plan, calibration, kv_cache, device, dtype, ranks)
     if ranks.rank != 0:  # the same layers as rank 0, which alone writes them
-        quantize_layerwise(SourceModel(CheckpointReader(folder), skeleton, config, family), layerwise)
+        quantize_layerwise(SourceModel(reader, skeleton, config, family), layerwise)
         return output
 
     with staged_folder(output, overwrite, adopt) as staging:
         journal = resumed_journal(staging, fingerprint) if adopt else Journal(staging, fingerprint)
         if WRITTEN not in journal.phases:
             started = time.perf_counter()
-            reader = CheckpointReader(folder)
             num_layers = len(decoder_layers(skeleton, family))
             writer = ShardWriter(staging, num_layers + 1, dtype, exporter.tensors)
             writer.restore([(layer.shard, layer.tensor_bytes) for layer in journal.finished])
@@ -125,7 +126,7 @@ def run_quantize(recipe: Recipe, overwrite: bool = False, eval_inputs: EvalInput
             rest = reader.tensors([name for name in reader.file_of if not name.startswith(f"{family.layers}.")])
             writer.write({name: tensor.to(dtype) for name, tensor in rest.items()})
             writer.write_index()
-            _write_config(folder, staging, quantization_config, dtype)
+            _write_config(folder, staging, quantization_config, dtype, config_changes)
             for name in exporter.extra_files:
                 (staging / name).write_text(json.dumps(quantization_config, indent=2, sort_keys=True) + "\n")
             tokenizer.save_pretrained(staging)
@@ -201,8 +202,8 @@ def _describe_stage(stage) -> dict:
     return described
 
 
-def _write_config(source: Path, staging: Path, quantization: dict, dtype: torch.dtype) -> None:
-    config = json.loads((source / "config.json").read_text())
+def _write_config(source: Path, staging: Path, quantization: dict, dtype: torch.dtype, changes: dict) -> None:
+    config = json.loads((source / "config.json").read_text()) | changes
     config["quantization_config"] = quantization
     config["dtype"] = str(dtype).removeprefix("torch.")
     (staging / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")

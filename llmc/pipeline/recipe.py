@@ -15,7 +15,7 @@ from llmc.core.schema import StrictModel
 from llmc.core.validation import located, validated_document
 from llmc.draft.config import DraftConfig
 from llmc.evals.config import EvalConfig
-from llmc.quant import awq, gptq, rtn, smoothquant  # noqa: F401  (importing an algorithm's module registers its stage)
+from llmc.quant import autoround, awq, gptq, rotate, rtn, smoothquant  # noqa: F401  (importing an algorithm's module registers its stage)
 from llmc.quant.gptq import GPTQStage
 from llmc.quant.kvcache_config import KVCacheConfig
 from llmc.quant.rtn import RTNStage
@@ -53,6 +53,8 @@ class Recipe(StrictModel):
         if not self.stages and self.kv_cache is None:
             raise ValueError("stages: list at least one stage (an empty list needs a kv_cache section)")
         for index, stage in enumerate(self.stages):
+            if getattr(stage, "rewrites_source", False) and index > 0:
+                raise ValueError(f"stages.{index} ({stage.type}) changes the checkpoint as it is read, so it must be the first stage")
             if isinstance(stage, TRANSFORM_STAGES):
                 before, after = self.stages[:index], self.stages[index + 1 :]
                 if any(isinstance(s, WEIGHT_STAGES) for s in before):

@@ -33,7 +33,9 @@ class QuantizationPlan:
 
 def build_plan(stages: list[StageRun], linears: dict[str, nn.Linear], kv_only: bool = False) -> QuantizationPlan:
     """The plan over `linears` (every decoder layer's, by full name); a Linear is quantized by at most one stage."""
-    per_stage = [select(linears, stage.config.targets, stage.config.ignore) for stage in stages]
+    # a stage without targets (rotate) changes the whole model
+    per_stage = [select(linears, stage.config.targets, stage.config.ignore) if hasattr(stage.config, "targets") else set(linears)
+                 for stage in stages]
     quantizing = [(index, stage, chosen) for index, (stage, chosen) in enumerate(zip(stages, per_stage))
                   if stage.role is StageRole.WEIGHT]
     owner: dict[str, int] = {}

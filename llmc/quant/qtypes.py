@@ -181,7 +181,7 @@ def _padded(x: torch.Tensor, rows: int, columns: int) -> torch.Tensor:
     return torch.nn.functional.pad(x, (0, (-x.shape[1]) % columns, 0, (-x.shape[0]) % rows))
 
 
-def _grouped(x: torch.Tensor, args: QuantArgs) -> torch.Tensor:
+def group_view(x: torch.Tensor, args: QuantArgs) -> torch.Tensor:
     """A [out, in] weight (or [tokens, features] activation) laid out so that reductions over the last dim follow
     the strategy; blocks and a ragged last activation group are zero-padded."""
     if args.strategy == "tensor":
@@ -200,7 +200,7 @@ def _grouped(x: torch.Tensor, args: QuantArgs) -> torch.Tensor:
     return x.reshape(x.shape[0], x.shape[1] // args.group_size, args.group_size)
 
 
-def _ungrouped(grouped: torch.Tensor, shape: torch.Size, args: QuantArgs) -> torch.Tensor:
+def ungroup_view(grouped: torch.Tensor, shape: torch.Size, args: QuantArgs) -> torch.Tensor:
     if args.strategy == "block":
         rows, columns = args.block_structure
         blocks = grouped.reshape(grouped.shape[0], grouped.shape[1], rows, columns).transpose(1, 2)
@@ -211,7 +211,7 @@ def _ungrouped(grouped: torch.Tensor, shape: torch.Size, args: QuantArgs) -> tor
 
 
 def observe_minmax(weight: torch.Tensor, args: QuantArgs) -> tuple[torch.Tensor, torch.Tensor]:
-    grouped = _grouped(weight, args)
+    grouped = group_view(weight, args)
     return grouped.amin(dim=-1), grouped.amax(dim=-1)
 
 
@@ -227,7 +227,7 @@ def observe_range(
     min_vals, max_vals = observe_minmax(weight, args)
     if args.observer != "mse":
         return min_vals, max_vals
-    grouped = _grouped(weight, args).float()
+    grouped = group_view(weight, args).float()
     best_error = torch.full(min_vals.shape, torch.inf, device=min_vals.device)
     best_min, best_max = min_vals.clone(), max_vals.clone()
     for step in range(MSE_SHRINK_STEPS):
@@ -320,15 +320,15 @@ def dequantize_columns(codes: torch.Tensor, scale: torch.Tensor, zero_point: tor
 
 
 def quantize(x: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor, args: QuantArgs) -> torch.Tensor:
-    grouped = _grouped(x, args)
+    grouped = group_view(x, args)
     shape = (*grouped.shape[:2], 1)
-    return _ungrouped(quantize_columns(grouped, scale.reshape(shape), zero_point.reshape(shape), args), x.shape, args)
+    return ungroup_view(quantize_columns(grouped, scale.reshape(shape), zero_point.reshape(shape), args), x.shape, args)
 
 
 def dequantize(codes: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor, args: QuantArgs) -> torch.Tensor:
-    grouped = _grouped(codes.to(scale.dtype), args)
+    grouped = group_view(codes.to(scale.dtype), args)
     shape = (*grouped.shape[:2], 1)
-    return _ungrouped(dequantize_columns(grouped, scale.reshape(shape), zero_point.reshape(shape)), codes.shape, args)
+    return ungroup_view(dequantize_columns(grouped, scale.reshape(shape), zero_point.reshape(shape)), codes.shape, args)
 
 
 def weight_global_scale(weight: torch.Tensor, args: QuantArgs) -> torch.Tensor | None:

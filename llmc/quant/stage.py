@@ -11,6 +11,7 @@ import torch
 from pydantic import BaseModel
 from torch import nn
 
+from llmc.checkpoints.checkpoint_reader import CheckpointReader
 from llmc.checkpoints.families import Family
 from llmc.quant.layer import LayerWork
 from llmc.quant.qtypes import QuantizedWeight
@@ -42,6 +43,16 @@ class StageRun(ABC):
     def record(self, name: str, inputs: torch.Tensor) -> None:
         """One calibration batch reaching the observed module `name`, as float32."""
         raise AssertionError(f"{type(self).__name__} observes nothing")
+
+    def source(self, reader: CheckpointReader, skeleton: nn.Module, config) -> CheckpointReader:
+        """The checkpoint as the driver, the later stages and the artifact read it. A stage that changes tensors
+        outside the decoder layers (the rotations' embeddings and LM head) returns a reader that rewrites them; it is
+        asked before any work, so it refuses a model it cannot change here. The others leave the reader as it is."""
+        return reader
+
+    def config_changes(self, config) -> dict:
+        """Keys of the artifact's config.json that differ from the checkpoint's once this stage ran."""
+        return {}
 
     @abstractmethod
     def process(self, work: LayerWork) -> dict[str, QuantizedWeight]:
@@ -82,3 +93,10 @@ def stage_type_of(config: BaseModel) -> StageType:
 def start_stage(config: BaseModel, scale_dtype: torch.dtype, family: Family) -> StageRun:
     """The run of the stage `config` describes."""
     return stage_type_of(config).run(config, scale_dtype, family)
+
+
+def source_of(stages: list[StageRun], reader: CheckpointReader, skeleton: nn.Module, config) -> CheckpointReader:
+    """The checkpoint as every stage's `source` rewrites it, in the recipe's order."""
+    for stage in stages:
+        reader = stage.source(reader, skeleton, config)
+    return reader

@@ -5,7 +5,7 @@ import json
 
 import pytest
 import torch
-from helpers import CORPUS, build_tiny_model, run_staggered, write_recipe
+from helpers import CORPUS, FAMILY_CONFIGS, build_tiny_model, run_staggered, write_recipe
 from safetensors.torch import load_file
 from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -25,22 +25,6 @@ from llmc.runtime.engine.config import EngineConfig
 from llmc.runtime.llm import LLM
 from llmc.runtime.sampling_params import SamplingParams
 
-WINDOW = 8  # shorter than the prompts plus 32 tokens, so windows matter
-# per family, the config fields that turn on what sets it apart, in tiny shapes
-FAMILY_CONFIGS = {
-    "qwen3": dict(head_dim=16),
-    "smollm3": dict(num_layers=3, no_rope_layers=[1, 0, 1], pad_token_id=0),
-    "mistral": dict(sliding_window=WINDOW),
-    "gemma2": dict(
-        head_dim=16, query_pre_attn_scalar=24, sliding_window=WINDOW, layer_types=["sliding_attention", "full_attention"],
-        attn_logit_softcapping=2.0, final_logit_softcapping=3.0, tie_word_embeddings=True,
-    ),
-    "gemma3_text": dict(
-        head_dim=16, query_pre_attn_scalar=24, sliding_window=WINDOW, layer_types=["sliding_attention", "full_attention"],
-        tie_word_embeddings=True,
-    ),
-    "phi3": dict(pad_token_id=0, rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5}),
-}
 W4_G16 = "  - type: rtn\n    scheme: W4A16\n    weights: {group_size: 16}\n"
 WORDS = CORPUS.split()
 PROMPTS = [" ".join(WORDS[start : start + length]) for start, length in zip(range(0, 40, 10), [3, 9, 5, 14])]
