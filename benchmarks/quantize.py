@@ -79,6 +79,19 @@ FORMAT_STAGES = {f"{preset} RTN": preset_stage("rtn", preset) for preset in NEW_
     "W4A8 SmoothQuant GPTQ mse": "  - type: smoothquant\n" + preset_stage("gptq", "W4A8", "mse"),
     "W4AFP8 SmoothQuant GPTQ mse": "  - type: smoothquant\n" + preset_stage("gptq", "W4AFP8", "mse"),
     "W4A16 GPTQ mse": preset_stage("gptq", "W4A16", "mse"), "fp32 + NVFP4 KV": "stages: []\nkv_cache: {dtype: nvfp4}\n"}
+LOW_BIT = ["W4A16", "W3A16", "W2A16"]
+AUTOROUND_STAGES = {f"{preset} RTN": preset_stage("rtn", preset) for preset in LOW_BIT} | {
+    f"{preset} GPTQ act-order mse": preset_stage("gptq", preset, "mse", "static") for preset in LOW_BIT
+} | {  # STEPS: --autoround-steps, the same for auto-round's iters
+    f"{preset} AutoRound": preset_stage("autoround", preset) + "    steps: STEPS\n" for preset in LOW_BIT
+}
+ROTATED_PRESETS = ["W4A8", "W4AFP8", "NVFP4", "W8A8"]
+ROTATE = "  - type: rotate\n"
+ROTATE_STAGES = {f"{preset} RTN": preset_stage("rtn", preset) for preset in ROTATED_PRESETS} | {
+    f"rotate {preset} RTN": ROTATE + preset_stage("rtn", preset) for preset in ROTATED_PRESETS
+} | {f"rotate R2 {preset} RTN": "  - type: rotate\n    rotations: [R2]\n" + preset_stage("rtn", preset) for preset in ("W4A8",)} | {
+    f"rotate {preset} GPTQ mse": ROTATE + preset_stage("gptq", preset, "mse") for preset in ("W4A8", "W4AFP8")
+}
 BF16_PASSES = "  dtype: bfloat16\n"  # continues the calibration section: forward passes in bfloat16
 SUITES = {
     "w4a16": ({name: f"stages:\n{stages}" for name, stages in LLMC.items()}, LLMCOMPRESSOR),
@@ -97,8 +110,18 @@ SUITES["formats"] = (
     | {f"llm-compressor {preset} GPTQ": (f"gptq-preset-{preset}", True) for preset in [*NEW_PRESETS, "W4A16"]}
     | {"llm-compressor fp32 + NVFP4 KV": ("kv-nvfp4", True)},
 )
+SUITES["autoround"] = (
+    {name: f"stages:\n{stages}" for name, stages in AUTOROUND_STAGES.items()},
+    {f"auto-round {preset}": (f"autoround-{preset}", True) for preset in LOW_BIT},
+)
+SUITES["rotate"] = (
+    {name: f"stages:\n{stages}" for name, stages in ROTATE_STAGES.items()},
+    {f"llm-compressor SpinQuant {preset} RTN": (f"spinquant-preset-{preset}", True) for preset in ROTATED_PRESETS},
+)
 TITLES = {"w4a16": "W4A16 g64", "w8a8": "8-bit weights and activations, FP8 KV cache",
-          "formats": "NVFP4, MXFP4, MXFP8, W4A8, W4AFP8, W3A16, W2A16 (int presets at group 64)"}
+          "formats": "NVFP4, MXFP4, MXFP8, W4A8, W4AFP8, W3A16, W2A16 (int presets at group 64)",
+          "autoround": "AutoRound against GPTQ and RTN, and auto-round 0.16, at 4, 3 and 2 bits (group 64)",
+          "rotate": "R1 + R2 Hadamard rotations before the activation-quantized formats, and llm-compressor's SpinQuant"}
 
 
 def spec_bench_calibration(folder: Path) -> Path:
@@ -187,6 +210,20 @@ def llmcompressor_worker(folder: str, method: str, symmetric: bool, ids_file: st
             recipe = [modifier(ignore=["lm_head"], config_groups={"group_0": scheme_of})]
         else:
             recipe = [modifier(targets="Linear", ignore=["lm_head"], scheme=preset)]
+    elif method.startswith("spinquant-preset-"):  # R1 and R2 fused into the weights, then the preset by RTN
+        from llmcompressor.modifiers.transform import SpinQuantModifier
+
+        preset = method.removeprefix("spinquant-preset-")
+        rotation = SpinQuantModifier(rotations=["R1", "R2"], transform_type="hadamard")
+        if preset.startswith("W"):
+            from compressed_tensors.quantization.quant_scheme import preset_name_to_scheme
+
+            scheme_of = preset_name_to_scheme(preset, ["Linear"])
+            if scheme_of.weights.group_size:
+                scheme_of.weights.group_size = 64
+            recipe = [rotation, QuantizationModifier(ignore=["lm_head"], config_groups={"group_0": scheme_of})]
+        else:
+            recipe = [rotation, QuantizationModifier(targets="Linear", ignore=["lm_head"], scheme=preset)]
     elif method == "kv-nvfp4":  # the KV cache alone, in the NVFP4 preset's activation format
         from compressed_tensors.quantization.quant_scheme import preset_name_to_scheme
 
@@ -206,7 +243,29 @@ def llmcompressor_worker(folder: str, method: str, symmetric: bool, ids_file: st
     AutoTokenizer.from_pretrained(folder).save_pretrained(output)
 
 
-def llmcompressor_quantize(folder: Path, name: str, model: str, ids_file: Path, methods: dict, python: str):
+def autoround_worker(folder: str, preset: str, steps: str, ids_file: str, output: str) -> None:
+    """Runs in auto-round's own venv: auto-round 0.16 on the same token windows, the preset at group 64, symmetric,
+    `steps` iterations a block with its other defaults (batch 8, lr 1 / iters, best step kept), exported in
+    llm-compressor's format (compressed-tensors)."""
+    from auto_round import AutoRound
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    ids = load_file(ids_file)["input_ids"]
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype="float32")
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    rounding = AutoRound(model, tokenizer, bits=int(preset[1]), group_size=64, sym=True, iters=int(steps),
+                         nsamples=ids.shape[0], seqlen=ids.shape[1], batch_size=8, dataset=[row[None] for row in ids],
+                         device_map="cpu")
+    staging = Path(output).with_name(Path(output).name + ".staging")
+    rounding.quantize_and_save(str(staging), format="llm_compressor")
+    (written,) = [config.parent for config in staging.glob("*/config.json")]  # it writes into a folder named by model and scheme
+    written.rename(output)
+    staging.rmdir()
+
+
+def llmcompressor_quantize(folder: Path, name: str, model: str, ids_file: Path, methods: dict, python: str,
+                           autoround_python: str, steps: int):
     from llmc.checkpoints.spec import resolve_model
 
     method, symmetric = methods[name]
@@ -214,6 +273,9 @@ def llmcompressor_quantize(folder: Path, name: str, model: str, ids_file: Path, 
     if (output / "config.json").is_file():  # kept by an earlier --keep run
         return output, None, None, None
     command = [python, __file__, "--worker", str(resolve_model(model)), method, str(symmetric), str(ids_file), str(output)]
+    if method.startswith("autoround-"):
+        command = [autoround_python, __file__, "--autoround-worker", str(resolve_model(model)), method.removeprefix("autoround-"),
+                   str(steps), str(ids_file), str(output)]
     return (output, *run_measured(command))
 
 
@@ -257,11 +319,13 @@ def quality_table(args) -> list[dict]:
         ids = load_calibration(config, AutoTokenizer.from_pretrained(resolve_model(args.model))).input_ids
         save_file({"input_ids": ids.contiguous()}, str(folder / "ids.safetensors"))
         ours, theirs = SUITES[args.suite]
-        runs = {name: partial(llmc_quantize, folder, name, body, args.model, calibration, args.samples, args.seq_len)
+        runs = {name: partial(llmc_quantize, folder, name, body.replace("STEPS", str(args.autoround_steps)), args.model,
+                              calibration, args.samples, args.seq_len)
                 for name, body in ours.items()}
-        if args.llmcompressor_python or importlib.util.find_spec("llmcompressor"):
+        if args.llmcompressor_python or args.autoround_python or importlib.util.find_spec("llmcompressor"):
             python = args.llmcompressor_python or sys.executable
-            runs |= {name: partial(llmcompressor_quantize, folder, name, args.model, folder / "ids.safetensors", theirs, python)
+            runs |= {name: partial(llmcompressor_quantize, folder, name, args.model, folder / "ids.safetensors", theirs, python,
+                                   args.autoround_python or sys.executable, args.autoround_steps)
                      for name in theirs}
         for name in args.only or runs:
             if name not in runs:
@@ -289,6 +353,8 @@ def main() -> None:
     if sys.argv[1:2] == ["--worker"]:
         folder, method, symmetric, ids_file, output = sys.argv[2:]
         return llmcompressor_worker(folder, method, symmetric == "True", ids_file, output)
+    if sys.argv[1:2] == ["--autoround-worker"]:
+        return autoround_worker(*sys.argv[2:])
     parser = argparse.ArgumentParser()
     parser.add_argument("--suite", choices=SUITES, default="w4a16")
     parser.add_argument("--model", default="smollm2-135m")
@@ -297,6 +363,8 @@ def main() -> None:
     parser.add_argument("--windows", type=int, default=40)
     parser.add_argument("--fp32-perplexity", type=float, help="the base model's, measured earlier with these windows")
     parser.add_argument("--llmcompressor-python", help="a python with llm-compressor installed, to run its side in")
+    parser.add_argument("--autoround-python", help="a python with auto-round installed, to run its side in")
+    parser.add_argument("--autoround-steps", type=int, default=200, help="AutoRound's steps per layer, both tools")
     parser.add_argument("--business", type=Path, help="also each artifact's recovery, agreement and KL against the base "
                                                       "on this business set (e.g. calib_data/business/customer_service.jsonl)")
     parser.add_argument("--business-limit", type=int, help="its first N items")
