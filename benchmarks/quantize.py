@@ -82,9 +82,10 @@ FORMAT_STAGES = {f"{preset} RTN": preset_stage("rtn", preset) for preset in NEW_
 LOW_BIT = ["W4A16", "W3A16", "W2A16"]
 AUTOROUND_STAGES = {f"{preset} RTN": preset_stage("rtn", preset) for preset in LOW_BIT} | {
     f"{preset} GPTQ act-order mse": preset_stage("gptq", preset, "mse", "static") for preset in LOW_BIT
-} | {  # STEPS: --autoround-steps, the same for auto-round's iters
-    f"{preset} AutoRound": preset_stage("autoround", preset) + "    steps: STEPS\n" for preset in LOW_BIT
-}
+} | {  # STEPS: --autoround-steps, the same for auto-round's iters; bfloat16 passes, as auto-round's CPU default (amp)
+    f"{preset} AutoRound": "BF16_PASSES" + preset_stage("autoround", preset) + "    steps: STEPS\n" for preset in LOW_BIT
+} | {"W4A16 AutoRound fp32 passes": preset_stage("autoround", "W4A16") + "    steps: STEPS\n",
+     "W4A16 AutoRound mse": "BF16_PASSES" + preset_stage("autoround", "W4A16", "mse") + "    steps: STEPS\n"}
 ROTATED_PRESETS = ["W4A8", "W4AFP8", "NVFP4", "W8A8"]
 ROTATE = "  - type: rotate\n"
 ROTATE_STAGES = {f"{preset} RTN": preset_stage("rtn", preset) for preset in ROTATED_PRESETS} | {
@@ -111,7 +112,8 @@ SUITES["formats"] = (
     | {"llm-compressor fp32 + NVFP4 KV": ("kv-nvfp4", True)},
 )
 SUITES["autoround"] = (
-    {name: f"stages:\n{stages}" for name, stages in AUTOROUND_STAGES.items()},
+    {name: f"{BF16_PASSES}stages:\n{stages.removeprefix('BF16_PASSES')}" if stages.startswith("BF16_PASSES") else f"stages:\n{stages}"
+     for name, stages in AUTOROUND_STAGES.items()},
     {f"auto-round {preset}": (f"autoround-{preset}", True) for preset in LOW_BIT},
 )
 SUITES["rotate"] = (

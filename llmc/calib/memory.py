@@ -72,7 +72,8 @@ def activations_fit_device(num_bytes: int, device: torch.device) -> bool:
 def estimate_memory(config, stage_types: list[str], num_samples: int, seq_len: int, device: torch.device) -> MemoryEstimate:
     """The largest of the run's footprints: the layer loop's (one float32 layer, the calibration activations, one
     batch's intermediates, the stages' statistics: GPTQ's Hessians per distinct input and its solve of the widest one,
-    AWQ's recorded block inputs), embedding the calibration set, and writing the embedding and LM head at the end."""
+    AWQ's recorded block inputs, AutoRound's streams, weight copies and backward pass), embedding the calibration set,
+    and writing the embedding and LM head at the end."""
     shapes = LayerShapes.of(config)
     tokens = num_samples * seq_len
     activations_on_device = activations_fit_device(tokens * shapes.hidden * FLOAT32, device)

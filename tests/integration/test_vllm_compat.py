@@ -51,7 +51,12 @@ FORMATS = {  # recipe, overrides that keep it fast: no eval, the least calibrati
     "W8A16": ("smollm2-w8a16-rtn.yaml", []),
     "W8A8": ("smollm2-w8a8-smoothquant.yaml", [*NO_EVAL, "--set", "calibration.num_samples=4", "--set", "calibration.seq_len=64"]),
     "FP8": ("smollm2-fp8-dynamic.yaml", NO_EVAL),
+    # learned rounding, and rotations fused into the weights: the artifacts stay the standard formats
+    "AutoRound W4A16": ("smollm2-w4a16-autoround.yaml", ["--set", "calibration.num_samples=8", "--set", "calibration.seq_len=64",
+                                                         "--set", "stages.0.steps=5"]),
+    "rotated W8A8": ("smollm2-w8a8-rotate.yaml", [*NO_EVAL, "--set", "calibration.num_samples=4", "--set", "calibration.seq_len=64"]),
 }
+INT4_FORMATS = ("W4A16", "AutoRound W4A16")
 QUESTIONS = ["What is the capital of France?", "Count from 1 to 10, separated by commas.",
              "Repeat exactly: the quick brown fox jumps over the lazy dog", "What is 2 + 2?"]
 MAX_TOKENS = 16
@@ -61,12 +66,14 @@ MIN_IDENTICAL = 3 if DTYPE == "float32" else 2
 
 
 XFAILS = {
-    "W4A16": pytest.mark.xfail(
+    name: pytest.mark.xfail(
         DTYPE == "float32" or AMX, raises=VllmKernelMissing if DTYPE == "float32" else AssertionError, strict=True,
         reason=f"{INT4_OP_MISSING}. With AMX (bfloat16) it takes its 'amx' path, whose tokens leave the artifact's from the "
                "first one on half the prompts, where llmc in float32 and bfloat16, on torch's int4 kernel and on dequantized "
                "dense weights, agrees with itself, and transformers reads the quick start artifact like llmc "
-               "(test_integration_smollm2.py); its 'vec' path (AVX-512 BF16 without AMX) agrees with llmc"),
+               "(test_integration_smollm2.py); its 'vec' path (AVX-512 BF16 without AMX) agrees with llmc")
+    for name in INT4_FORMATS
+} | {
     "W8A16": pytest.mark.xfail(
         raises=VllmKernelMissing, strict=True,
         reason="vLLM 0.32.0 has no CPU kernel for 8-bit int weight-only layers (uint8b128): CPUWNA16 and Zentorch take "
@@ -81,7 +88,7 @@ def artifacts(venv_build, tmp_path_factory) -> dict[str, Path]:
     built = {}
     for name, (recipe, overrides) in FORMATS.items():
         started = time.monotonic()
-        output = folder / name.lower()
+        output = folder / name.lower().replace(" ", "-")
         run = subprocess.run([sys.executable, "-m", "llmc", "quantize", str(ROOT / "recipes" / recipe), "--output", str(output),
                               *overrides], capture_output=True, text=True, cwd=ROOT)
         assert run.returncode == 0, run.stderr[-3000:]
@@ -133,7 +140,7 @@ def comparison(venv_build, artifacts, vllm_python, tmp_path_factory) -> dict[str
     folder = tmp_path_factory.mktemp("vllm-greedy")
     prompts = chat_prompts(artifacts["W8A8"])
     skipped = {name: reason for name in artifacts if (reason := too_slow_in_vllm(name))}
-    unrunnable = {} if vllm_has_int4_kernel(vllm_python) else {"W4A16": INT4_OP_MISSING}
+    unrunnable = {} if vllm_has_int4_kernel(vllm_python) else dict.fromkeys(INT4_FORMATS, INT4_OP_MISSING)
     in_vllm = {name: path for name, path in artifacts.items() if name not in skipped | unrunnable}
     request = {"artifacts": [str(path) for path in in_vllm.values()], "prompts": prompts, "max_tokens": MAX_TOKENS,
                "max_model_len": MAX_MODEL_LEN, "dtype": DTYPE}

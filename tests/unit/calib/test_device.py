@@ -23,7 +23,12 @@ STAGES = {
     "smoothquant-w8a8-static": "  - type: smoothquant\n  - type: rtn\n    scheme: W8A8\n"
                                "    input_activations: {strategy: tensor, dynamic: false}\n",
     "fp8-kv": "  - type: rtn\n    scheme: FP8_DYNAMIC\nkv_cache: {dtype: fp8}\n",
+    "rotate-autoround": "  - type: rotate\n  - type: autoround\n    scheme: W4A16\n    weights: {group_size: 32}\n"
+                        "    steps: 5\n    batch_size: 8\n",
 }
+# signed gradient steps of 1/5 each: a gradient near zero whose sign the device's rounding flips moves an offset by a
+# fifth of a code, and a few codes cross a rounding boundary
+EQUAL_CODES = {"rotate-autoround": 0.98}
 
 
 def quantize(tmp_path, model, calib_file, stage: str, device: str):
@@ -91,7 +96,7 @@ def test_every_stage_on_cuda_matches_the_cpu(tmp_path, tiny_llama, calib_file, s
     assert on_cpu.keys() == on_cuda.keys()
     for name, tensor in on_cpu.items():
         if tensor.dtype in (torch.int32, torch.int8, torch.float8_e4m3fn):  # packed or unpacked codes
-            assert (tensor.view(torch.uint8) == on_cuda[name].view(torch.uint8)).float().mean() >= 0.999, name
+            assert (tensor.view(torch.uint8) == on_cuda[name].view(torch.uint8)).float().mean() >= EQUAL_CODES.get(stage, 0.999), name
         else:
             torch.testing.assert_close(tensor.float(), on_cuda[name].float(), rtol=1e-3, atol=1e-4)
 
@@ -117,5 +122,7 @@ def test_the_estimate_grows_with_the_calibration_set_and_gptq_solves_the_widest_
     small, large = (estimate_memory(config, ["gptq"], samples, 2048, torch.device("cpu")) for samples in (16, 128))
     assert large.host_gib > small.host_gib and large.parts_gib["activations"] == 8 * small.parts_gib["activations"]
     assert small.parts_gib["statistics"] > 7 * 14336**2 * 4 / 2**30  # the down projection's Hessian, solved
+    autoround = estimate_memory(config, ["autoround"], 16, 2048, torch.device("cpu"))
+    assert autoround.parts_gib["statistics"] > 3 * 16 * 2048 * 4096 * 4 / 2**30  # inputs, full-precision stream, targets
     rtn = estimate_memory(config, ["rtn"], 16, 2048, torch.device("cpu"))
     assert rtn.parts_gib["statistics"] == 0 and rtn.device_gib is None

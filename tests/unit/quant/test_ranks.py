@@ -20,6 +20,8 @@ from llmc.quant.ranks import Ranks
 STAGES = {
     "gptq-kv": "  - type: gptq\n    scheme: W4A16\n    weights: {group_size: 32}\nkv_cache: {dtype: fp8}\n",
     "awq-clip-rtn": "  - type: awq\n    clip_search: true\n  - type: rtn\n    scheme: W4A16\n    weights: {group_size: 32}\n",
+    # every step on all samples (each rank's whole share): the summed gradients' signs are one process's
+    "autoround": "  - type: autoround\n    scheme: W4A16\n    weights: {group_size: 32}\n    steps: 5\n    batch_size: 8\n",
     "smoothquant-w8a8-static": "  - type: smoothquant\n  - type: gptq\n    scheme: W8A8\n"
                                "    input_activations: {strategy: tensor, dynamic: false}\n",
 }
