@@ -84,8 +84,11 @@ AUTOROUND_STAGES = {f"{preset} RTN": preset_stage("rtn", preset) for preset in L
     f"{preset} GPTQ act-order mse": preset_stage("gptq", preset, "mse", "static") for preset in LOW_BIT
 } | {  # STEPS: --autoround-steps, the same for auto-round's iters; bfloat16 passes, as auto-round's CPU default (amp)
     f"{preset} AutoRound": "BF16_PASSES" + preset_stage("autoround", preset) + "    steps: STEPS\n" for preset in LOW_BIT
-} | {"W4A16 AutoRound fp32 passes": preset_stage("autoround", "W4A16") + "    steps: STEPS\n",
-     "W4A16 AutoRound mse": "BF16_PASSES" + preset_stage("autoround", "W4A16", "mse") + "    steps: STEPS\n"}
+} | {  # round-to-nearest's grid instead of auto-round's full range; its mse observer; float32 passes
+    "W4A16 AutoRound grid": "BF16_PASSES" + preset_stage("autoround", "W4A16") + "    steps: STEPS\n    full_range: false\n",
+    "W4A16 AutoRound grid mse": "BF16_PASSES" + preset_stage("autoround", "W4A16", "mse") + "    steps: STEPS\n    full_range: false\n",
+    "W4A16 AutoRound grid fp32 passes": preset_stage("autoround", "W4A16") + "    steps: STEPS\n    full_range: false\n",
+}
 ROTATED_PRESETS = ["W4A8", "W4AFP8", "NVFP4", "W8A8"]
 ROTATE = "  - type: rotate\n"
 ROTATE_STAGES = {f"{preset} RTN": preset_stage("rtn", preset) for preset in ROTATED_PRESETS} | {

@@ -17,7 +17,6 @@ from llmc.quant.layer import COMPUTE_DTYPE, LayerWork, quantizing_inputs_of
 from llmc.quant.qtypes import (
     QuantArgs,
     QuantizedWeight,
-    compute_qparams,
     group_view,
     observe_minmax,
     observe_range,
@@ -38,6 +37,10 @@ class AutoRoundStage(WeightStage):
     batch_size: int = Field(8, gt=0)  # calibration samples per step
     samples: int | None = Field(None, gt=0)  # the first N calibration samples (of each rank's share); None: all
     seed: int = 0  # the order batches are drawn in
+    # symmetric formats: each group's scale oriented so that its largest-magnitude weight lands exactly on the code
+    # -2^(b-1), as auto-round does (a negative scale where that weight is positive), which uses one more level than
+    # round-to-nearest's absmax / (2^(b-1) - 0.5) grid; false: that grid
+    full_range: bool = True
     needs_calibration: ClassVar[bool] = True
 
     @model_validator(mode="after")
@@ -71,8 +74,8 @@ class RoundStraight(torch.autograd.Function):
 class LearnedRounding:
     """One Linear's weight with its learnable offsets and range factors."""
 
-    def __init__(self, weight: torch.Tensor, args: QuantArgs, scale_dtype: torch.dtype):
-        self.weight, self.args, self.scale_dtype = weight.detach().float(), args, scale_dtype
+    def __init__(self, weight: torch.Tensor, args: QuantArgs, scale_dtype: torch.dtype, full_range: bool = False):
+        self.weight, self.args, self.scale_dtype, self.full_range = weight.detach().float(), args, scale_dtype, full_range
         self.min_vals, self.max_vals = observe_minmax(self.weight, args)
         start_min, start_max = observe_range(self.weight, args, scale_dtype)  # the mse observer's shrunk range, if asked
         self.offset = torch.zeros_like(group_view(self.weight, args), requires_grad=True)
@@ -88,36 +91,38 @@ class LearnedRounding:
         return [self.min_factor, self.max_factor]
 
     def qparams(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """Scales and zero points of the current range, as the artifact stores them (no gradient)."""
-        with torch.no_grad():
-            return compute_qparams(self.min_vals * self.min_factor.clamp(0, 1), self.max_vals * self.max_factor.clamp(0, 1),
-                                   self.args, self.scale_dtype)
-
-    def fake_quantized(self) -> torch.Tensor:
-        """The weight quantized and dequantized, differentiable in the offsets and factors."""
+        """Scales (float32, holding what the artifact stores) and zero points (float) of the current ranges,
+        differentiable in the factors; without full_range and with unit factors, exactly compute_qparams' RTN ones."""
         args = self.args
         low = self.min_vals.clamp(max=0) * self.min_factor.clamp(0, 1)
         high = self.max_vals.clamp(min=0) * self.max_factor.clamp(0, 1)
-        if args.symmetric:
-            scale = torch.maximum(-low, high) / ((args.qmax - args.qmin) / 2)
-        else:
-            scale = (high - low) / (args.qmax - args.qmin)
-        scale = scale + (scale.to(self.scale_dtype).float() - scale).detach()  # the stored precision, gradient kept
-        scale = scale.clamp(min=torch.finfo(self.scale_dtype).eps).unsqueeze(-1)
-        zero_point = 0.0
         if not args.symmetric:
-            zero_point = RoundStraight.apply(args.qmin - low.unsqueeze(-1) / scale).clamp(args.qmin, args.qmax)
-        codes = (RoundStraight.apply(group_view(self.weight, args) / scale + self.offset) + zero_point).clamp(args.qmin, args.qmax)
-        return ungroup_view((codes - zero_point) * scale, self.weight.shape, args)
+            scale = (high - low) / (args.qmax - args.qmin)
+        elif self.full_range:  # the largest magnitude lands on qmin: a negative scale where that weight is positive
+            scale = torch.where(high > -low, high, low) / args.qmin
+        else:
+            scale = torch.maximum(-low, high) / ((args.qmax - args.qmin) / 2)
+        scale = scale + (scale.to(self.scale_dtype).float() - scale).detach()  # the stored precision, gradient kept
+        scale = torch.where(scale == 0, torch.finfo(self.scale_dtype).eps, scale)
+        if args.symmetric:
+            return scale, torch.zeros_like(scale)
+        return scale, RoundStraight.apply(args.qmin - low / scale).clamp(args.qmin, args.qmax)
+
+    def _codes(self, scale: torch.Tensor, zero_point: torch.Tensor, rounding) -> torch.Tensor:
+        grouped = group_view(self.weight, self.args) / scale.unsqueeze(-1) + self.offset
+        return (rounding(grouped) + zero_point.unsqueeze(-1)).clamp(self.args.qmin, self.args.qmax)
+
+    def fake_quantized(self) -> torch.Tensor:
+        """The weight quantized and dequantized, differentiable in the offsets and factors."""
+        scale, zero_point = self.qparams()
+        codes = self._codes(scale, zero_point, RoundStraight.apply)
+        return ungroup_view((codes - zero_point.unsqueeze(-1)) * scale.unsqueeze(-1), self.weight.shape, self.args)
 
     def quantized(self) -> QuantizedWeight:
-        scale, zero_point = self.qparams()
-        shape = (*self.offset.shape[:2], 1)
         with torch.no_grad():
-            rounded = torch.round(group_view(self.weight, self.args) / scale.float().reshape(shape) + self.offset
-                                  + zero_point.float().reshape(shape))
-        codes = ungroup_view(rounded.clamp(self.args.qmin, self.args.qmax), self.weight.shape, self.args).to(torch.int8)
-        return QuantizedWeight(codes, scale, zero_point, self.args)
+            scale, zero_point = self.qparams()
+            codes = ungroup_view(self._codes(scale, zero_point, torch.round), self.weight.shape, self.args)
+        return QuantizedWeight(codes.to(torch.int8), scale.to(self.scale_dtype), zero_point.to(torch.int8), self.args)
 
 
 class AutoRoundRun(StageRun):
@@ -143,7 +148,7 @@ class AutoRoundRun(StageRun):
             self.full_precision = inputs
         targets = work.runner(work.layer, self.full_precision)
         self.full_precision = targets
-        learned = {name: LearnedRounding(linear.weight.data, self.config.weights, self.scale_dtype)
+        learned = {name: LearnedRounding(linear.weight.data, self.config.weights, self.scale_dtype, self.config.full_range)
                    for name, linear in work.linears.items()}
         self._train(work, learned, inputs, targets)
         results = {}
