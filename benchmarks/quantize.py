@@ -91,8 +91,8 @@ AUTOROUND_STAGES = {f"{preset} RTN": preset_stage("rtn", preset) for preset in L
 }
 ROTATED_PRESETS = ["W4A8", "W4AFP8", "NVFP4", "W8A8"]
 ROTATE = "  - type: rotate\n"
-ROTATE_STAGES = {f"{preset} RTN": preset_stage("rtn", preset) for preset in ROTATED_PRESETS} | {
-    f"rotate {preset} RTN": ROTATE + preset_stage("rtn", preset) for preset in ROTATED_PRESETS
+ROTATE_STAGES = {f"{preset} RTN": preset_stage("rtn", preset) for preset in [*ROTATED_PRESETS, "W4A16"]} | {
+    f"rotate {preset} RTN": ROTATE + preset_stage("rtn", preset) for preset in [*ROTATED_PRESETS, "W4A16"]
 } | {f"rotate R2 {preset} RTN": "  - type: rotate\n    rotations: [R2]\n" + preset_stage("rtn", preset) for preset in ("W4A8",)} | {
     f"rotate {preset} GPTQ mse": ROTATE + preset_stage("gptq", preset, "mse") for preset in ("W4A8", "W4AFP8")
 }
@@ -219,7 +219,8 @@ def llmcompressor_worker(folder: str, method: str, symmetric: bool, ids_file: st
         from llmcompressor.modifiers.transform import SpinQuantModifier
 
         preset = method.removeprefix("spinquant-preset-")
-        rotation = SpinQuantModifier(rotations=["R1", "R2"], transform_type="hadamard")
+        # random Hadamard as llmc's: its deterministic one exists only for powers of two, and SmolLM2's width is 576
+        rotation = SpinQuantModifier(rotations=["R1", "R2"], transform_type="random-hadamard")
         if preset.startswith("W"):
             from compressed_tensors.quantization.quant_scheme import preset_name_to_scheme
 
