@@ -80,14 +80,22 @@ FORMAT_STAGES = {f"{preset} RTN": preset_stage("rtn", preset) for preset in NEW_
     "W4AFP8 SmoothQuant GPTQ mse": "  - type: smoothquant\n" + preset_stage("gptq", "W4AFP8", "mse"),
     "W4A16 GPTQ mse": preset_stage("gptq", "W4A16", "mse"), "fp32 + NVFP4 KV": "stages: []\nkv_cache: {dtype: nvfp4}\n"}
 LOW_BIT = ["W4A16", "W3A16", "W2A16"]
-AUTOROUND_STAGES = {f"{preset} RTN": preset_stage("rtn", preset) for preset in LOW_BIT} | {
-    f"{preset} GPTQ act-order mse": preset_stage("gptq", preset, "mse", "static") for preset in LOW_BIT
-} | {  # STEPS: --autoround-steps, the same for auto-round's iters; bfloat16 passes, as auto-round's CPU default (amp)
-    f"{preset} AutoRound": "BF16_PASSES" + preset_stage("autoround", preset) + "    steps: STEPS\n" for preset in LOW_BIT
-} | {  # round-to-nearest's grid instead of auto-round's full range; its mse observer; float32 passes
-    "W4A16 AutoRound grid": "BF16_PASSES" + preset_stage("autoround", "W4A16") + "    steps: STEPS\n    full_range: false\n",
-    "W4A16 AutoRound grid mse": "BF16_PASSES" + preset_stage("autoround", "W4A16", "mse") + "    steps: STEPS\n    full_range: false\n",
-    "W4A16 AutoRound grid fp32 passes": preset_stage("autoround", "W4A16") + "    steps: STEPS\n    full_range: false\n",
+BF16_PASSES = "  dtype: bfloat16\n"  # continues the calibration section: forward passes in bfloat16
+
+
+def autoround_body(preset: str, observer: str = "minmax", passes: str = BF16_PASSES, fields: str = "") -> str:
+    """STEPS: --autoround-steps, the same as auto-round's iters; bfloat16 passes by default, as auto-round's CPU
+    default (amp)."""
+    return f"{passes}stages:\n{preset_stage('autoround', preset, observer)}    steps: STEPS\n{fields}"
+
+
+GRID = "    full_range: false\n"  # round-to-nearest's grid instead of auto-round's full range
+AUTOROUND_BODIES = {f"{preset} RTN": f"stages:\n{preset_stage('rtn', preset)}" for preset in LOW_BIT} | {
+    f"{preset} GPTQ act-order mse": f"stages:\n{preset_stage('gptq', preset, 'mse', 'static')}" for preset in LOW_BIT
+} | {f"{preset} AutoRound": autoround_body(preset) for preset in LOW_BIT} | {
+    "W4A16 AutoRound grid": autoround_body("W4A16", fields=GRID),
+    "W4A16 AutoRound grid mse": autoround_body("W4A16", "mse", fields=GRID),
+    "W4A16 AutoRound grid fp32 passes": autoround_body("W4A16", passes="", fields=GRID),
 }
 ROTATED_PRESETS = ["W4A8", "W4AFP8", "NVFP4", "W8A8"]
 ROTATE = "  - type: rotate\n"
@@ -96,7 +104,6 @@ ROTATE_STAGES = {f"{preset} RTN": preset_stage("rtn", preset) for preset in [*RO
 } | {f"rotate R2 {preset} RTN": "  - type: rotate\n    rotations: [R2]\n" + preset_stage("rtn", preset) for preset in ("W4A8",)} | {
     f"rotate {preset} GPTQ mse": ROTATE + preset_stage("gptq", preset, "mse") for preset in ("W4A8", "W4AFP8")
 }
-BF16_PASSES = "  dtype: bfloat16\n"  # continues the calibration section: forward passes in bfloat16
 SUITES = {
     "w4a16": ({name: f"stages:\n{stages}" for name, stages in LLMC.items()}, LLMCOMPRESSOR),
     "w8a8": (
@@ -115,8 +122,7 @@ SUITES["formats"] = (
     | {"llm-compressor fp32 + NVFP4 KV": ("kv-nvfp4", True)},
 )
 SUITES["autoround"] = (
-    {name: f"{BF16_PASSES}stages:\n{stages.removeprefix('BF16_PASSES')}" if stages.startswith("BF16_PASSES") else f"stages:\n{stages}"
-     for name, stages in AUTOROUND_STAGES.items()},
+    AUTOROUND_BODIES,
     {f"auto-round {preset}": (f"autoround-{preset}", True) for preset in LOW_BIT},
 )
 SUITES["rotate"] = (

@@ -29,6 +29,10 @@ class CheckpointReader:
         missing = [name for name in names if name not in self.file_of]
         if missing:
             raise LlmcError(f"checkpoint {self.folder} has no tensor {missing[0]!r}")
+        return self._read(names)
+
+    def _read(self, names: list[str]) -> dict[str, torch.Tensor]:
+        """The named tensors, every one of them known to be there."""
         result = {}
         for file in {self.file_of[name] for name in names}:
             with safe_open(str(file), framework="pt") as handle:

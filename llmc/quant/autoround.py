@@ -161,7 +161,8 @@ class AutoRoundRun(StageRun):
         config, runner, ranks = self.config, work.runner, work.ranks
         count = min(len(inputs), config.samples or len(inputs))
         batch_size = min(config.batch_size, count)
-        lr, minmax_lr = config.learning_rate(), config.minmax_lr or config.learning_rate()
+        lr = config.learning_rate()
+        minmax_lr = config.minmax_lr or lr
         groups = [(rounding.rounding_parameters, lr) for rounding in learned.values()]
         groups += [(rounding.range_parameters, minmax_lr) for rounding in learned.values()]
         parameters = [parameter for group, _ in groups for parameter in group]

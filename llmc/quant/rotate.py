@@ -159,10 +159,7 @@ class RotatedCheckpoint(CheckpointReader):
         if plan.untie and head not in self.file_of:
             self.file_of[head] = self.file_of[f"{plan.family.embed_tokens}.weight"]
 
-    def tensors(self, names: list[str]) -> dict[str, torch.Tensor]:
-        missing = [name for name in names if name not in self.file_of]
-        if missing:
-            raise LlmcError(f"checkpoint {self.folder} has no tensor {missing[0]!r}")
+    def _read(self, names: list[str]) -> dict[str, torch.Tensor]:
         needed = sorted({source for name in names for source in self.plan.sources(name)})
         tensors = self.base.tensors(needed)
         return {name: self.plan.rotated(name, tensors) for name in names}
