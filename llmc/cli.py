@@ -311,6 +311,9 @@ ENGINE_OPTIONS = [
                  show_default=True, help="Steps of at most this many tokens keep torch's eager int4 kernel, faster for few "
                  "rows; larger ones run on AMX or the dense copy. 0 puts every step there, so a token's bits do not depend on "
                  "the batch."),
+    click.option("--cpu-decode-stack/--no-cpu-decode-stack", default=engine_default("cpu_decode_stack"), show_default=True,
+                 help="CPU, bfloat16, 4-bit weights: decode steps of at most --max-eager-int4-rows tokens run the whole decoder "
+                 "stack in one C++ call where the model's layers allow (plain pre-norm attention, SiLU MLP, no experts)."),
     click.option("--compile/--no-compile", "compile_layers", default=engine_default("compile"), show_default=True,
                  help="CPU: torch.compile the decoder layers' pieces around the attention (compiled at start, cached on disk)."),
 ]

@@ -34,6 +34,10 @@ class EngineConfig:
     # CPU: decode attention in one C++ kernel compiled on first use (layers/cpu_attention.py); False, or a cache in
     # FP8, or no compiler: the torch reference
     cpu_decode_kernel: bool = True
+    # CPU, bfloat16, 4-bit Linears on the nibble kernel: decode-only steps of at most max_eager_int4_rows rows run the
+    # whole decoder stack in one C++ call (layers/cpu_decode_stack.py) where the model's layers allow; False: layer by
+    # layer. Off with compile or without cpu_decode_kernel, which ask for the other paths
+    cpu_decode_stack: bool = True
     # every sequence keeps the final hidden state (float32) of each token it computes, in Sequence.hidden_states:
     # self-distillation reads the features it trains on from the generation itself instead of a second pass
     keep_hidden_states: bool = False

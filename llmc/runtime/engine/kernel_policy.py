@@ -6,7 +6,15 @@ import time
 import torch
 
 from llmc.runtime.engine.config import EngineConfig
-from llmc.runtime.layers import cpu_attention, cpu_elementwise, cpu_fp4_gemm, cpu_int8_gemm, cpu_quantized_mm
+from llmc.runtime.layers import (
+    cpu_attention,
+    cpu_decode_stack,
+    cpu_elementwise,
+    cpu_fp4_gemm,
+    cpu_int8_gemm,
+    cpu_nibble_gemv,
+    cpu_quantized_mm,
+)
 from llmc.runtime.layers.attention import REFERENCE_ATTENTION, AttentionBackend
 from llmc.runtime.layers.cpp_kernel import CppKernel, build_concurrently
 from llmc.runtime.layers.cpu_attention import CPP_ATTENTION
@@ -21,7 +29,7 @@ logger = logging.getLogger(__name__)
 def cpu_kernels(weights: WeightLoader, config: EngineConfig) -> list[CppKernel]:
     """The C++ extensions serving this checkpoint on the CPU: norms and rotary, decode attention unless turned off,
     input quantization where Linears quantize their inputs, the packed int8 GEMM where those are int8, the float4 GEMM
-    where weights are float4."""
+    where weights are float4, the nibble GEMV where weights have 4 bits."""
     kernels = [cpu_elementwise.KERNEL] + ([cpu_attention.KERNEL] if config.cpu_decode_kernel else [])
     quantized_inputs = [weight_args for _, weight_args, input_args in weights.schemes if input_args is not None]
     if quantized_inputs:
@@ -30,6 +38,10 @@ def cpu_kernels(weights: WeightLoader, config: EngineConfig) -> list[CppKernel]:
         kernels.append(cpu_int8_gemm.KERNEL)
     if any(weight_args.is_fp4 for _, weight_args, _ in weights.schemes):
         kernels.append(cpu_fp4_gemm.KERNEL)
+    if any(weight_args.num_bits == 4 for _, weight_args, _ in weights.schemes):
+        kernels.append(cpu_nibble_gemv.KERNEL)
+        if config.cpu_decode_stack:
+            kernels.append(cpu_decode_stack.KERNEL)
     return kernels
 
 

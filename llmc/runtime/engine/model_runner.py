@@ -15,6 +15,7 @@ from llmc.runtime.engine.sequence import Sequence
 from llmc.runtime.layers.attention import AttentionMetadata, DecodeRows, decode_buckets, padded_length
 from llmc.runtime.layers.sampler import SampledToken, sample, token_logprobs
 from llmc.runtime.models.architecture import Architecture, architecture_of
+from llmc.runtime.models.decode_stack import DecodeStack, refusal
 from llmc.runtime.models.llama import LlamaForCausalLM, aux_layer_ids
 from llmc.runtime.models.loader import WeightLoader
 
@@ -77,6 +78,7 @@ class ModelRunner:
         self.model = LlamaForCausalLM(hf_config, weights, self.max_model_len, self.attention, self.kv_cache)
         self.model.aux_layer_ids = aux_layers
         self.amx_s = amx_int4(self.model, config.max_eager_int4_rows) if uses_amx(config) else None
+        self.decode_stack = self._decode_stack(config, weights.kv_cache_dtype)
         self.compile_s = None
         if config.compile:
             self.compile_s = compile_decoder_layers(self.model.layers, hf_config.hidden_size, config.dtype, config.device)
@@ -86,6 +88,16 @@ class ModelRunner:
             max_blocks = cdiv(self.max_model_len, config.block_size)
             self.graphs = DecodeGraphs(self.model, config.max_num_seqs, max_blocks, self.num_blocks * config.block_size, config.device)
         logger.info("KV cache: %d blocks of %d tokens; max model length %d", self.num_blocks, self.block_size, self.max_model_len)
+
+    def _decode_stack(self, config: EngineConfig, kv_dtype: torch.dtype) -> DecodeStack | None:
+        if not (config.device == "cpu" and config.cpu_decode_stack and config.cpu_decode_kernel and not config.compile):
+            return None
+        reason = refusal(self.model, kv_dtype, config.dtype) or ("EAGLE-3 features are kept" if self.model.aux_layer_ids else None)
+        if reason is not None:
+            logger.info("decode steps run layer by layer: %s", reason)
+            return None
+        logger.info("decode steps of up to %d rows run the decoder stack in one C++ call", config.max_eager_int4_rows)
+        return DecodeStack(self.model, config.max_eager_int4_rows)
 
     def _prepare(self, seqs: list[Sequence]) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
         input_ids, positions, slot_mapping, seq_lens, query_lens, group_seqs = [], [], [], [], [], []
@@ -170,6 +182,8 @@ class ModelRunner:
         input_ids, positions, metadata = self._prepare(seqs)
         if self.graphs is not None and self.graphs.covers(metadata):
             return self.graphs.replay(input_ids, positions, metadata)
+        if self.decode_stack is not None and self.decode_stack.covers(metadata):
+            return self.model.norm(self.decode_stack(self.model.embed(input_ids), positions, metadata))
         return self.model(input_ids, positions, metadata)
 
     def _keep_hidden_states(self, seqs: list[Sequence], hidden: torch.Tensor) -> None:

@@ -32,7 +32,7 @@ static inline __m512 widen16(const c10::Half* p) { return _mm512_cvtph_ps(_mm256
 class CppKernel:
     name: str
     source: str
-    functions: list[str]
+    functions: list[str] | None  # None: the source binds its own module (PYBIND11_MODULE)
     compiler_flags: list[str]
     fallback: str  # what serves instead, for the warning
     _module: object | None = field(default=None, init=False)

@@ -1,4 +1,5 @@
-"""Float4 E2M1 weights (NVFP4, MXFP4) multiplied on the CPU straight from their packed nibbles, as torch's int4 kernel
+"""Float4 E2M1 weights (NVFP4, MXFP4) in float32 (and in bfloat16 on CPUs without AVX-512 BF16; the others run the
+nibble kernel, cpu_nibble_gemv.py) multiplied on the CPU straight from their packed nibbles, as torch's int4 kernel
 does with int4 codes: each byte's two codes index a 16-entry table of the E2M1 values times two (integers, so one
 byte shuffle looks eight pairs up at once), are widened to float32 and scaled by half their group's scale (float32:
 NVFP4's float8 scale over its global scale, MXFP4's power of two), then multiply the inputs in float32. Each weight
@@ -9,9 +10,11 @@ layers/cpu_attention.py; where that fails, DenseLinear serves these weights."""
 import torch
 from torch import nn
 
-from llmc.artifact.pack import pack_e2m1
-from llmc.quant.qtypes import QuantizedWeight
+from llmc.artifact.pack import e2m1_nibbles, pack_e2m1
+from llmc.quant.qtypes import E2M1_MAGNITUDES, QuantizedWeight
+from llmc.runtime.layers import cpu_nibble_gemv
 from llmc.runtime.layers.cpp_kernel import COMPILER_FLAGS, CppKernel
+from llmc.runtime.layers.cpu_nibble_gemv import NibbleMatmul
 from llmc.runtime.layers.dense_copy import DenseCopy
 from llmc.runtime.layers.linear_weight import LinearWeight
 
@@ -98,21 +101,27 @@ torch::Tensor fp4_matmul(torch::Tensor x, torch::Tensor codes, torch::Tensor hal
   return out.to(x.scalar_type());
 }
 """
+# each nibble's E2M1 value: the sign bit, then an index into the magnitudes
+E2M1_TABLE = torch.tensor([sign * magnitude for sign in (1, -1) for magnitude in E2M1_MAGNITUDES], dtype=torch.bfloat16)
 KERNEL = CppKernel("llmc_fp4_gemm", SOURCE, ["fp4_matmul"], COMPILER_FLAGS, "float4 weights dequantized once, on dense matmuls")
 
 
 class Fp4CpuLinear(DenseCopy, nn.Module):
-    """NVFP4 and MXFP4 weights (weight-only; EmulatedInputLinear puts their inputs' quantization in front) on the C++
-    kernel above, in float32 or bfloat16. Steps of more than max_eager_rows rows take the dense copy where one is
-    kept (use_dense_copy)."""
+    """NVFP4 and MXFP4 weights (weight-only; EmulatedInputLinear puts their inputs' quantization in front): in bfloat16
+    on the nibble kernel (cpu_nibble_gemv.py) where the CPU has it, else (and in float32) on the C++ kernel above.
+    Steps of more than max_eager_rows rows take the dense copy where one is kept (use_dense_copy)."""
 
     def __init__(self, weight: LinearWeight, dtype: torch.dtype, device: str):
         super().__init__()
         quantized = weight.weight
         self.out_features, self.in_features = quantized.codes.shape
         self.group_size, self.dtype = quantized.args.group_size, dtype
-        self.register_buffer("codes", pack_e2m1(quantized.codes).contiguous())
-        self.register_buffer("half_scales", (quantized.scale.float() / 2).reshape(self.out_features, -1).contiguous())
+        self.nibbles: NibbleMatmul | None = None
+        if dtype == torch.bfloat16 and cpu_nibble_gemv.fits(self.in_features, self.group_size) and cpu_nibble_gemv.available():
+            self.nibbles = NibbleMatmul(e2m1_nibbles(quantized.codes), quantized.scale, E2M1_TABLE, self.group_size)
+        else:
+            self.register_buffer("codes", pack_e2m1(quantized.codes).contiguous())
+            self.register_buffer("half_scales", (quantized.scale.float() / 2).reshape(self.out_features, -1).contiguous())
         self.bias = None if weight.bias is None else nn.Parameter(weight.bias.to(dtype), requires_grad=False)
         self.no_dense_copy()
 
@@ -137,7 +146,9 @@ class Fp4CpuLinear(DenseCopy, nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, self.in_features)
         out = self.dense_product(flat)
-        if out is None:
+        if out is None and self.nibbles is not None:
+            out = self.nibbles(flat)
+        elif out is None:
             out = KERNEL.get().fp4_matmul(flat, self.codes, self.half_scales, self.group_size)
         out = out.reshape(*x.shape[:-1], self.out_features)
         return out if self.bias is None else out + self.bias

@@ -8,7 +8,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from llmc.quant.qtypes import QuantizedWeight, fake_quantize_activation
+from llmc.runtime.layers import cpu_nibble_gemv
 from llmc.runtime.layers.cpu_fp4_gemm import Fp4CpuLinear
+from llmc.runtime.layers.cpu_nibble_gemv import NibbleMatmul
 from llmc.runtime.layers.dense_copy import DenseCopy
 from llmc.runtime.layers.int4_amx import Int4Matmul, compile_amx
 from llmc.runtime.layers.linear_weight import LinearWeight, merge
@@ -37,6 +39,13 @@ class DenseLinear(nn.Module):
         return F.linear(x, self.weight, self.bias)
 
 
+def torch_int4_matmul(codes: torch.Tensor, scale: torch.Tensor, group_size: int) -> Int4Matmul:
+    """Symmetric int4 codes [out, in] (-8..7) and their scales [out, groups] in torch's CPU int4 layout."""
+    scale = scale.t()  # [in / group_size, out]
+    packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.to(torch.int32) + 8, 1)
+    return Int4Matmul(packed, torch.stack([scale, torch.zeros_like(scale)], dim=-1).contiguous(), group_size)
+
+
 def bfloat16_cpu_weight_only(weight: LinearWeight, dtype: torch.dtype, device: str, num_bits: int, strategy: str) -> bool:
     """Whether weight is symmetric int `num_bits` by `strategy`, without act-order or quantized inputs, served in
     bfloat16 on CPU: what torch's int4 and int8 CPU kernels take (their float32 paths are slower than dense matmuls)."""
@@ -55,12 +64,13 @@ def bfloat16_cpu_weight_only(weight: LinearWeight, dtype: torch.dtype, device: s
 
 
 class Int4CpuLinear(DenseCopy, nn.Module):
-    """Symmetric int4 groups on torch's own CPU kernel; the codes are repacked into its layout once, at load.
-    With scales in the compute dtype its weights equal `dequantize` bit for bit (the zero term is 0), so only the
-    matmul's summation order differs. Chosen for bfloat16 only: the kernel's float32 path is slower than a dense matmul.
-    The kernel multiplies row by row, its time growing with the rows: steps of more than `max_eager_rows` rows go on
-    the compiled AMX matmul (int4_amx) on a CPU with AMX (`use_amx`), else on a bfloat16 copy of the weights
-    (`use_dense_copy`, dense_copy.py)."""
+    """Symmetric int4 groups on the CPU. Steps of a few rows in bfloat16 run on llmc's nibble kernel
+    (cpu_nibble_gemv.py: AVX-512 BF16) where the CPU has it, else on torch's own int4 kernel, the codes repacked into
+    its layout once, at load. Either way each weight is its code times its scale in the compute dtype (torch's zero
+    term is 0), so only the summation order differs from `dequantize`'s dense matmul. The kernels multiply row by
+    row, their time growing with the rows: steps of more than `max_eager_rows` rows go on the compiled AMX matmul
+    (int4_amx) on a CPU with AMX (`use_amx`), else on a bfloat16 copy of the weights (`use_dense_copy`,
+    dense_copy.py)."""
 
     GROUP_SIZES = (32, 64, 128, 256)
 
@@ -68,12 +78,13 @@ class Int4CpuLinear(DenseCopy, nn.Module):
         super().__init__()
         quantized = weight.weight
         self.out_features, self.in_features = quantized.codes.shape
-        unsigned = quantized.codes.to(torch.int32) + 8
-        scale = quantized.scale.to(dtype).t()  # [in / group_size, out]
-        self.matmul = Int4Matmul(
-            torch.ops.aten._convert_weight_to_int4pack_for_cpu(unsigned, 1),
-            torch.stack([scale, torch.zeros_like(scale)], dim=-1).contiguous(), quantized.args.group_size,
-        )
+        self.group_size, self.dtype = quantized.args.group_size, dtype
+        scale = quantized.scale.to(dtype)
+        self.matmul: NibbleMatmul | Int4Matmul
+        if dtype == torch.bfloat16 and cpu_nibble_gemv.fits(self.in_features, self.group_size) and cpu_nibble_gemv.available():
+            self.matmul = NibbleMatmul.int4(quantized.codes, scale, self.group_size)
+        else:
+            self.matmul = torch_int4_matmul(quantized.codes, scale, self.group_size)
         self.bias = None if weight.bias is None else nn.Parameter(weight.bias.to(dtype), requires_grad=False)
         self.amx: Callable[[torch.Tensor], torch.Tensor] | None = None
         self.no_dense_copy()
@@ -89,15 +100,17 @@ class Int4CpuLinear(DenseCopy, nn.Module):
 
     def use_amx(self, max_eager_rows: int) -> bool:
         """Compile the AMX matmul now; whether it serves (it does not where it disagrees with the eager kernel)."""
-        self.amx = compile_amx(self.matmul, self.matmul.scales_and_zeros.dtype)
+        matmul = self.matmul
+        if isinstance(matmul, NibbleMatmul):  # the AMX template takes torch's layout
+            matmul = torch_int4_matmul(matmul.int4_codes(), matmul.scales.to(self.dtype), self.group_size)
+        self.amx = compile_amx(matmul, self.dtype)
         self.max_eager_rows = max_eager_rows
         return self.amx is not None
 
     def use_dense_copy(self, weight: QuantizedWeight, max_eager_rows: int) -> None:
         """Keep weight (this layer's, as built) dequantized beside the codes for steps of more than max_eager_rows rows:
         each code times its scale in the compute dtype, the product the kernel multiplies by, rounded to that dtype."""
-        dtype = self.matmul.scales_and_zeros.dtype
-        self.keep_dense_copy(replace(weight, scale=weight.scale.to(dtype).float()).dequantize().to(dtype), max_eager_rows)
+        self.keep_dense_copy(replace(weight, scale=weight.scale.to(self.dtype).float()).dequantize().to(self.dtype), max_eager_rows)
 
     def _product(self, flat: torch.Tensor) -> torch.Tensor:
         rows = len(flat)
