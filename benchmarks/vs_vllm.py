@@ -31,6 +31,8 @@ RECIPES = {"w4a16": "smollm2-w4a16-rtn.yaml", "w8a8": "smollm2-w8a8-smoothquant.
 PROMPTS_PER_CONCURRENCY = {1: 6, 16: 32, 64: 128}
 # real models' layer shapes (their config.json), for --random-shape
 RANDOM_SHAPES = {
+    "llama3-8b": dict(model_type="llama", hidden_size=4096, intermediate_size=14336, num_attention_heads=32, num_key_value_heads=8,
+                      head_dim=128, rope_theta=500000.0),
     "qwen3-8b": dict(model_type="qwen3", hidden_size=4096, intermediate_size=12288, num_attention_heads=32, num_key_value_heads=8,
                      head_dim=128, rope_theta=1000000.0),
     "qwen3-30b-a3b": dict(model_type="qwen3_moe", hidden_size=2048, intermediate_size=6144, num_attention_heads=32,
@@ -51,18 +53,17 @@ def artifact(format_name: str) -> Path:
     return output
 
 
-def random_shape_artifact(shape: str, num_layers: int) -> Path:
+def random_checkpoint(shape: str, num_layers: int) -> Path:
     """Random bfloat16 weights in the shape's layers (std 0.02, as transformers initialises them), with SmolLM2's
-    tokenizer, quantized W4A16 once into artifacts/bench-random-SHAPE-NL."""
+    tokenizer, written once into artifacts/bench-random-SHAPE-NL-checkpoint."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     from llmc.checkpoints.spec import resolve_model
 
-    output = ROOT / "artifacts" / f"bench-random-{shape}-{num_layers}l"
-    if (output / "llmc.json").is_file():
-        return output
-    checkpoint = output.with_name(output.name + "-checkpoint")
+    checkpoint = ROOT / "artifacts" / f"bench-random-{shape}-{num_layers}l-checkpoint"
+    if (checkpoint / "config.json").is_file():
+        return checkpoint
     tokenizer = AutoTokenizer.from_pretrained(resolve_model("smollm2-135m"))
     fields = dict(RANDOM_SHAPES[shape])
     config = AutoConfig.for_model(fields.pop("model_type"), vocab_size=len(tokenizer), num_hidden_layers=num_layers,
@@ -73,9 +74,17 @@ def random_shape_artifact(shape: str, num_layers: int) -> Path:
         model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
     model.save_pretrained(checkpoint)
     tokenizer.save_pretrained(checkpoint)
-    del model
+    return checkpoint
+
+
+def random_shape_artifact(shape: str, num_layers: int, stages: str = RANDOM_W4A16, suffix: str = "") -> Path:
+    """random_checkpoint quantized by `stages` (a recipe's stages section, and more) once into
+    artifacts/bench-random-SHAPE-NL{suffix}."""
+    output = ROOT / "artifacts" / f"bench-random-{shape}-{num_layers}l{suffix}"
+    if (output / "llmc.json").is_file():
+        return output
     recipe = output.with_name(output.name + ".yaml")
-    recipe.write_text(f"model: {checkpoint}\noutput: {output}\n{RANDOM_W4A16}")
+    recipe.write_text(f"model: {random_checkpoint(shape, num_layers)}\noutput: {output}\n{stages}")
     subprocess.run([sys.executable, "-m", "llmc", "quantize", str(recipe), "--overwrite"], check=True)
     return output
 

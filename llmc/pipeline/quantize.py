@@ -38,6 +38,7 @@ from llmc.evals.report import summary, write_report
 from llmc.evals.suite import EvalTarget, evaluate_side_by_side
 from llmc.pipeline.preflight import resolve_eval_and_draft_inputs, resolved
 from llmc.pipeline.recipe import Recipe
+from llmc.quant.lm_head import quantize_lm_head
 from llmc.quant.plan import build_plan
 from llmc.quant.ranks import ranks_from_environment
 from llmc.quant.stage import StageRole, source_of, stage_type_of, start_stage
@@ -93,6 +94,9 @@ def run_quantize(recipe: Recipe, overwrite: bool = False, eval_inputs: EvalInput
     reader = source_of(stages, CheckpointReader(folder), skeleton, config)  # a stage that cannot change this model says so now
     config_changes = {key: value for stage in stages for key, value in stage.config_changes(config).items()}
     plan = build_plan(stages, decoder_linears(skeleton, family), kv_only=not recipe.stages)
+    if recipe.lm_head is not None:
+        plan.weights[family.lm_head] = recipe.lm_head.weights
+        config_changes["tie_word_embeddings"] = False  # the head is a quantized Linear of its own
     calibration = None
     if recipe.calibration:
         calibration = resolved(recipe, ("calibration", "dataset"), lambda: load_calibration(recipe.calibration, tokenizer))
@@ -123,8 +127,13 @@ def run_quantize(recipe: Recipe, overwrite: bool = False, eval_inputs: EvalInput
             quantize_layerwise(SourceModel(reader, skeleton, config, family), layerwise, journaled(writer, journal),
                                resumption(journal, layout_of(quantization_config)))
             quantize_memory = peak_memory(device)
-            rest = reader.tensors([name for name in reader.file_of if not name.startswith(f"{family.layers}.")])
-            writer.write({name: tensor.to(dtype) for name, tensor in rest.items()})
+            head = f"{family.lm_head}.weight"
+            rest = reader.tensors([name for name in reader.file_of if not name.startswith(f"{family.layers}.")
+                                   and not (recipe.lm_head is not None and name == head)])
+            rest = {name: tensor.to(dtype) for name, tensor in rest.items()}
+            if recipe.lm_head is not None:
+                rest |= exporter.tensors(family.lm_head, quantize_lm_head(reader, family, recipe.lm_head, exporter.scale_dtype or dtype))
+            writer.write(rest)
             writer.write_index()
             _write_config(folder, staging, quantization_config, dtype, config_changes)
             for name in exporter.extra_files:
@@ -183,6 +192,7 @@ def describe_run(recipe: Recipe, dtype: torch.dtype, calibration) -> dict:
         "export_dtype": str(dtype).removeprefix("torch."),
         "stages": [_describe_stage(stage) for stage in recipe.stages],
         "kv_cache": None if recipe.kv_cache is None else recipe.kv_cache.model_dump(),
+        "lm_head": None if recipe.lm_head is None else recipe.lm_head.weights.describe(),
         "calibration": None if calibration is None else {
             "dataset": calibration.source,
             "num_samples": calibration.input_ids.shape[0],

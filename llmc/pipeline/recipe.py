@@ -18,6 +18,7 @@ from llmc.evals.config import EvalConfig
 from llmc.quant import autoround, awq, gptq, rotate, rtn, smoothquant  # noqa: F401  (importing an algorithm's module registers its stage)
 from llmc.quant.gptq import GPTQStage
 from llmc.quant.kvcache_config import KVCacheConfig
+from llmc.quant.lm_head import LMHeadConfig
 from llmc.quant.rtn import RTNStage
 from llmc.quant.stage import StageRole, stage_types
 
@@ -36,6 +37,7 @@ class Recipe(StrictModel):
     calibration: CalibrationConfig | None = None
     stages: list[StageConfig]  # may be empty when only the KV cache is quantized
     kv_cache: KVCacheConfig | None = None
+    lm_head: LMHeadConfig | None = None  # None: the LM head stays in the export dtype
     eval: EvalConfig = EvalConfig()
     export: ExportConfig = ExportConfig()
     draft: DraftConfig | None = None
@@ -50,6 +52,9 @@ class Recipe(StrictModel):
 
     @model_validator(mode="after")
     def _stage_order_and_data(self) -> "Recipe":
+        if self.lm_head is not None and self.export.format != "compressed-tensors":
+            raise ValueError(f"lm_head: a quantized LM head is written in compressed-tensors only ({self.export.format} "
+                             "loaders expect the head unquantized)")
         if not self.stages and self.kv_cache is None:
             raise ValueError("stages: list at least one stage (an empty list needs a kv_cache section)")
         for index, stage in enumerate(self.stages):
