@@ -52,8 +52,9 @@ FORMATS = {  # recipe, overrides that keep it fast: no eval, the least calibrati
     "W8A8": ("smollm2-w8a8-smoothquant.yaml", [*NO_EVAL, "--set", "calibration.num_samples=4", "--set", "calibration.seq_len=64"]),
     "FP8": ("smollm2-fp8-dynamic.yaml", NO_EVAL),
     # learned rounding, and rotations fused into the weights: the artifacts stay the standard formats
+    # with its LM head in int8 (the recipe's lm_head section), which vLLM reads as a quantized ParallelLMHead
     "AutoRound W4A16": ("smollm2-w4a16-autoround.yaml", ["--set", "calibration.num_samples=8", "--set", "calibration.seq_len=64",
-                                                         "--set", "stages.0.steps=5"]),
+                                                         "--set", "stages.0.steps=5", "--set", "lm_head.scheme=W8A16"]),
     "rotated W8A8": ("smollm2-w8a8-rotate.yaml", [*NO_EVAL, "--set", "calibration.num_samples=4", "--set", "calibration.seq_len=64"]),
 }
 INT4_FORMATS = ("W4A16", "AutoRound W4A16")

@@ -12,6 +12,7 @@ from llmc.runtime.layers import (
     cpu_elementwise,
     cpu_fp4_gemm,
     cpu_int8_gemm,
+    cpu_int8_gemv,
     cpu_nibble_gemv,
     cpu_quantized_mm,
 )
@@ -29,7 +30,8 @@ logger = logging.getLogger(__name__)
 def cpu_kernels(weights: WeightLoader, config: EngineConfig) -> list[CppKernel]:
     """The C++ extensions serving this checkpoint on the CPU: norms and rotary, decode attention unless turned off,
     input quantization where Linears quantize their inputs, the packed int8 GEMM where those are int8, the float4 GEMM
-    where weights are float4, the nibble GEMV where weights have 4 bits."""
+    where weights are float4, the int8 GEMV where weights are int8 and inputs not, the nibble GEMV where weights have 4
+    bits."""
     kernels = [cpu_elementwise.KERNEL] + ([cpu_attention.KERNEL] if config.cpu_decode_kernel else [])
     quantized_inputs = [weight_args for _, weight_args, input_args in weights.schemes if input_args is not None]
     if quantized_inputs:
@@ -38,6 +40,8 @@ def cpu_kernels(weights: WeightLoader, config: EngineConfig) -> list[CppKernel]:
         kernels.append(cpu_int8_gemm.KERNEL)
     if any(weight_args.is_fp4 for _, weight_args, _ in weights.schemes):
         kernels.append(cpu_fp4_gemm.KERNEL)
+    if any(weight_args.num_bits == 8 and input_args is None for _, weight_args, input_args in weights.schemes):
+        kernels.append(cpu_int8_gemv.KERNEL)
     if any(weight_args.num_bits == 4 for _, weight_args, _ in weights.schemes):
         kernels.append(cpu_nibble_gemv.KERNEL)
         if config.cpu_decode_stack:
