@@ -187,7 +187,7 @@ def main() -> None:
     if args.random_shape:
         checkpoint = random_checkpoint(args.random_shape, args.layers)
         artifact = random_shape_artifact(args.random_shape, args.layers, RANDOM_RECIPE, "-lm-head")
-        llmc_models = {"llmc W4A16 g128, int4 LM head": artifact}
+        llmc_models = {"llmc W4A16 g128, int8 LM head": artifact}
         name = f"random-{args.random_shape}-{args.layers}l"
     else:
         checkpoint = resolve_model("smollm2-135m")
