@@ -140,7 +140,8 @@ class Int8CpuLinear(nn.Module):
         self.register_buffer("codes", quantized.codes.contiguous())
         self.register_buffer("scales", quantized.scale.reshape(-1).to(dtype))
         self.gemv = dtype == torch.bfloat16 and self.in_features % cpu_int8_gemv.CHUNK == 0 and cpu_int8_gemv.available()
-        self.register_buffer("float_scales", self.scales.float() if self.gemv else None)
+        # not a buffer: a module's .to(dtype) (drafts are cast so) must leave the GEMV's scales in float32
+        self.float_scales = self.scales.float() if self.gemv else None
         self.bias = None if weight.bias is None else nn.Parameter(weight.bias.to(dtype), requires_grad=False)
 
     @classmethod
