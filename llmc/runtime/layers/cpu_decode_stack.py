@@ -1,11 +1,11 @@
 """A decode step's whole decoder stack as one C++ call on the CPU: for a few rows that each decode one token, every
 layer's RMSNorm, fused QKV projection (+ bias), q/k norms, rotary embedding, KV cache write, paged attention, output
 projection and residual, norm, gate/up projection, SiLU-and-multiply, down projection and residual run in C++ without
-returning to Python. Eager, a layer is some eighty torch ops of a few microseconds each, as long as its matmuls
-at one row on a small model; here a step is 30 calls fewer per layer and its matmuls read the weights' nibbles once.
+returning to Python. Eager, a layer is some eighty torch ops of a few microseconds each, which on a small model at
+one row cost as much as its matmuls (SmolLM2-135M W4A16: 13.0 ms a step eager, 7.3 here).
 
-What it takes (models/decode_stack.py's `refusal` says what is missing): bfloat16 on the CPU with AVX-512 BF16, a cache in the
-compute dtype, plain attention (no window, no soft cap), pre-norm dense layers with SiLU (no sandwich norms, no
+What it takes (models/decode_stack.py's `refusal` says what is missing): bfloat16 on the CPU with AVX-512 BF16, a
+cache in the compute dtype, plain attention (no window, no soft cap), pre-norm dense layers with SiLU (no sandwich norms, no
 experts), and every Linear of every layer on the nibble kernel (int4 W4A16, NVFP4A16, MXFP4A16: cpu_nibble_gemv.py).
 Each operation rounds to bfloat16 where the eager layers round (norm, projection, bias, rotary product and sum,
 residual, activation, product), with the nibble kernel's and the attention kernel's arithmetic (layers/
