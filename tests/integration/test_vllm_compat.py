@@ -52,9 +52,11 @@ FORMATS = {  # recipe, overrides that keep it fast: no eval, the least calibrati
     "W8A8": ("smollm2-w8a8-smoothquant.yaml", [*NO_EVAL, "--set", "calibration.num_samples=4", "--set", "calibration.seq_len=64"]),
     "FP8": ("smollm2-fp8-dynamic.yaml", NO_EVAL),
     # learned rounding, and rotations fused into the weights: the artifacts stay the standard formats
-    # with its LM head in int8 (the recipe's lm_head section), which vLLM reads as a quantized ParallelLMHead
+    # with its LM head quantized too (the recipe's lm_head section), which vLLM reads as a quantized ParallelLMHead; in
+    # int4, the weight-only format vLLM's CPU build runs (its WNA16 kernels take no int8: W8A16 below is refused)
     "AutoRound W4A16": ("smollm2-w4a16-autoround.yaml", ["--set", "calibration.num_samples=8", "--set", "calibration.seq_len=64",
-                                                         "--set", "stages.0.steps=5", "--set", "lm_head.scheme=W8A16"]),
+                                                         "--set", "stages.0.steps=5", "--set", "lm_head.scheme=W4A16",
+                                                         "--set", "lm_head.weights.group_size=64"]),
     "rotated W8A8": ("smollm2-w8a8-rotate.yaml", [*NO_EVAL, "--set", "calibration.num_samples=4", "--set", "calibration.seq_len=64"]),
 }
 INT4_FORMATS = ("W4A16", "AutoRound W4A16")

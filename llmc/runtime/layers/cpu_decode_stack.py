@@ -57,7 +57,8 @@ static void project(const Nibbles& linear, const bf16* x, int64_t rows, Store st
 
 // norms.py's arithmetic, as cpu_elementwise's kernel: squares summed 16 lanes at a time, the normed value rounded to
 // bfloat16, then times the bfloat16 gain, rounded
-static void rms_norm_row(const bf16* x, const bf16* weight, bf16* out, int64_t hidden, float eps) {
+// LLMC_EXACT (the nibble kernel's CORE): IEEE arithmetic as the elementwise extension compiles it
+LLMC_EXACT static void rms_norm_row(const bf16* x, const bf16* weight, bf16* out, int64_t hidden, float eps) {
   __m512 sum = _mm512_setzero_ps();
   int64_t i = 0;
   for (; i + 16 <= hidden; i += 16) {
@@ -72,7 +73,7 @@ static void rms_norm_row(const bf16* x, const bf16* weight, bf16* out, int64_t h
 
 // rotary.py's arithmetic, as cpu_elementwise's kernel: the first rotary_dim features of a head turned, each product and
 // the sum rounded to bfloat16
-static void rotate_head(bf16* head, const bf16* cos, const bf16* sin, int64_t rotary_dim) {
+LLMC_EXACT static void rotate_head(bf16* head, const bf16* cos, const bf16* sin, int64_t rotary_dim) {
   const int64_t half = rotary_dim / 2;
   bf16 turned[512], result[512];
   for (int64_t d = 0; d < rotary_dim; ++d) turned[d] = d < half ? bf16(-f32(head[d + half])) : head[d - half];
@@ -170,13 +171,9 @@ class DecodeStack {
         rms_norm_row(h + r * hidden_, layer.post_norm.data_ptr<bf16>(), n + r * hidden_, hidden_, eps_);
       bf16* gu = gate_up.data_ptr<bf16>();
       project(layer.gate_up, n, rows, [&](int64_t r, int64_t o, bf16 value) { gu[r * 2 * intermediate + o] = value; });
+      // torch's own SiLU and product on the same views as the eager MLP: its vectorized exponential, its bits
+      at::mul_out(act, at::silu(gate_up.slice(1, 0, intermediate)), gate_up.slice(1, intermediate, 2 * intermediate));
       bf16* a = act.data_ptr<bf16>();
-      for (int64_t r = 0; r < rows; ++r)
-        for (int64_t i = 0; i < intermediate; ++i) {
-          const float gate = f32(gu[r * 2 * intermediate + i]);
-          const bf16 silu(gate / (1.f + std::exp(-gate)));
-          a[r * intermediate + i] = bf16(f32(silu) * f32(gu[r * 2 * intermediate + intermediate + i]));
-        }
       project(layer.down, a, rows, [&](int64_t r, int64_t o, bf16 value) {
         h[r * hidden_ + o] = bf16(f32(h[r * hidden_ + o]) + f32(value));
       });
@@ -210,7 +207,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
 #endif
 }
 """
-# the attention kernel's source and flags (fast math: its vectorized exponentials), the nibble kernel's arithmetic
-KERNEL = CppKernel("llmc_decode_stack", cpu_attention.SOURCE + CORE + STACK, None, cpu_attention.COMPILER_FLAGS + ["-ffp-contract=off"],
+# the attention kernel's source and flags (fast math: its vectorized exponentials; the rest LLMC_EXACT), the nibble
+# kernel's arithmetic: the eager layers' bits, so that speculative verification (eager) agrees with decoding (here)
+KERNEL = CppKernel("llmc_decode_stack", cpu_attention.SOURCE + CORE + STACK, None, cpu_attention.COMPILER_FLAGS,
                    "decoding layer by layer")
 MAX_HEAD_DIM = 512  # the C++ keeps a head in a fixed buffer

@@ -34,8 +34,10 @@ static inline __m512 scales_at(const float* scales, int64_t k, int group_shift) 
 }
 
 // rows R of x (bfloat16, row stride `stride`) times one weight row's interleaved nibbles: R float32 sums
+// IEEE arithmetic also where the decode stack compiles this beside the attention kernel's fast math
+#define LLMC_EXACT __attribute__((optimize("no-fast-math", "fp-contract=off")))
 template <int R>
-static inline void dot_rows(const c10::BFloat16* x, int64_t stride, int64_t in_features, const uint8_t* codes,
+LLMC_EXACT static inline void dot_rows(const c10::BFloat16* x, int64_t stride, int64_t in_features, const uint8_t* codes,
                             const float* scales, int group_shift, __m512i table, float* sums) {
   const __m256i nibble = _mm256_set1_epi8(0x0F);
   __m512 low_acc[R], high_acc[R];  // two chains a row: an FMA waits on the one before the last, not the last
