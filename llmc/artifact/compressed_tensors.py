@@ -78,6 +78,11 @@ def kv_cache_ct_args(args: QuantArgs) -> QuantizationArgs:
     return QuantizationArgs(num_bits=8, type=args.type, symmetric=True, strategy=strategy, dynamic=False)
 
 
+# a quantized LM head is named in its group's targets beside "Linear": vLLM matches "Linear" to its linear layers only,
+# and would build its ParallelLMHead unquantized (then refuse the head's packed weights)
+NAMED_TARGETS = ("lm_head",)
+
+
 def quantization_config(
     quantized: dict[str, QuantArgs], all_linears: list[str], activations: dict[str, QuantArgs],
     kv_cache: QuantArgs | None = None,
@@ -91,7 +96,7 @@ def quantization_config(
     single = len(groups) == 1
     config_groups = {
         f"group_{index}": QuantizationScheme(
-            targets=["Linear"] if single else sorted(names), weights=to_ct_args(args),
+            targets=["Linear", *sorted(set(names) & set(NAMED_TARGETS))] if single else sorted(names), weights=to_ct_args(args),
             input_activations=to_ct_args(acts) if acts else None, format=ct_format(args, acts),
         )
         for index, ((args, acts), names) in enumerate(groups.items())

@@ -24,7 +24,7 @@ from llmc.runtime.llm import LLM
 from llmc.runtime.sampling_params import SamplingParams
 
 STAGES = "  - type: rtn\n    scheme: W4A16\n    weights: {group_size: 32}\n"
-HEAD = "lm_head:\n  scheme: W4A16\n  weights: {group_size: 32, observer: mse}\n"
+HEAD = "lm_head:\n  scheme: W4A16\n  weights: {group_size: 32}\n"  # the layers' format: one config group
 
 
 @pytest.fixture(scope="module")
@@ -41,11 +41,13 @@ def artifact(tied_model, tmp_path_factory):
 def test_the_head_is_written_as_a_quantized_linear_of_its_own(artifact, tied_model):
     config = json.loads((artifact / "config.json").read_text())
     assert config["tie_word_embeddings"] is False and "lm_head" not in config["quantization_config"]["ignore"]
+    # named beside "Linear": vLLM builds a quantized ParallelLMHead only for a target naming it
+    assert config["quantization_config"]["config_groups"]["group_0"]["targets"] == ["Linear", "lm_head"]
     tensors = artifact_tensors(artifact)
     assert {"lm_head.weight_packed", "lm_head.weight_scale"} <= set(tensors) and "lm_head.weight" not in tensors
     source = CheckpointReader(tied_model).tensor("model.embed_tokens.weight")
     assert torch.equal(tensors["model.embed_tokens.weight"], source)  # the table is kept as it was
-    expected = quantize_weight(source.float(), QuantArgs(num_bits=4, group_size=32, observer="mse"), tensors["lm_head.weight_scale"].dtype)
+    expected = quantize_weight(source.float(), QuantArgs(num_bits=4, group_size=32), tensors["lm_head.weight_scale"].dtype)
     read = layout_of(config["quantization_config"]).read(CheckpointReader(artifact), "lm_head")
     assert torch.equal(read.codes, expected.codes) and torch.equal(read.scale, expected.scale)
     # compressed-tensors' own decompressor, and transformers' loading, give llmc's dequantized head
