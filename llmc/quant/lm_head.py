@@ -42,10 +42,6 @@ class LMHeadConfig(StrictModel):
         return self
 
 
-def tied(config) -> bool:
-    return bool(getattr(config, "tie_word_embeddings", False))
-
-
 def head_weight(reader: CheckpointReader, family: Family) -> torch.Tensor:
     """The head's weight as the (possibly rotated) checkpoint gives it: its own tensor, or the tied embedding table."""
     name = f"{family.lm_head}.weight"
