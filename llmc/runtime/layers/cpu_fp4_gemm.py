@@ -117,7 +117,7 @@ class Fp4CpuLinear(DenseCopy, nn.Module):
         self.out_features, self.in_features = quantized.codes.shape
         self.group_size, self.dtype = quantized.args.group_size, dtype
         self.nibbles: NibbleMatmul | None = None
-        if dtype == torch.bfloat16 and cpu_nibble_gemv.fits(self.in_features, self.group_size) and cpu_nibble_gemv.available():
+        if cpu_nibble_gemv.serves(dtype, self.in_features, self.group_size):
             self.nibbles = NibbleMatmul(e2m1_nibbles(quantized.codes), quantized.scale, E2M1_TABLE, self.group_size)
         else:
             self.register_buffer("codes", pack_e2m1(quantized.codes).contiguous())

@@ -135,6 +135,11 @@ def available() -> bool:
     return module is not None and module.available()
 
 
+def serves(dtype: torch.dtype, in_features: int, group_size: int) -> bool:
+    """Whether a 4-bit layer of this width and group size computing in `dtype` runs on the kernel here (bfloat16 only)."""
+    return dtype == torch.bfloat16 and fits(in_features, group_size) and available()
+
+
 def fits(in_features: int, group_size: int) -> bool:
     """Whether the kernel takes weights of this width and group size."""
     return in_features % CHUNK == 0 and in_features % group_size == 0 and group_size >= 16 and group_size & (group_size - 1) == 0

@@ -81,7 +81,7 @@ class Int4CpuLinear(DenseCopy, nn.Module):
         self.group_size, self.dtype = quantized.args.group_size, dtype
         scale = quantized.scale.to(dtype)
         self.matmul: NibbleMatmul | Int4Matmul
-        if dtype == torch.bfloat16 and cpu_nibble_gemv.fits(self.in_features, self.group_size) and cpu_nibble_gemv.available():
+        if cpu_nibble_gemv.serves(dtype, self.in_features, self.group_size):
             self.matmul = NibbleMatmul.int4(quantized.codes, scale, self.group_size)
         else:
             self.matmul = torch_int4_matmul(quantized.codes, scale, self.group_size)
