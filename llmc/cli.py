@@ -110,6 +110,24 @@ def quantize(recipe: Path, output: str | None, overrides: tuple[str, ...], overw
         console.print(f"[green]wrote[/] {artifact}")
 
 
+@cli.command()
+@click.argument("tune_file", metavar="TUNE", type=click.Path(path_type=Path))
+@click.option("--output", "-o", help="Folder for the winning artifact (overrides the file's `output`).")
+@click.option("--set", "overrides", multiple=True, metavar="KEY.PATH=VALUE", help="Override a field of TUNE.")
+@click.option("--overwrite", is_flag=True, help="Replace an existing output folder.")
+@click.option("--resume", is_flag=True, help="Continue a stopped or killed tune after its last finished evaluation.")
+@click.option("--discard-partial", is_flag=True, help="Remove what a stopped or killed tune kept, and start again.")
+def tune(tune_file: Path, output: str | None, overrides: tuple[str, ...], overwrite: bool, resume: bool,
+         discard_partial: bool) -> None:
+    """Find the cheapest mix of formats, Linear by Linear, that passes TUNE's gate, and write it as an artifact."""
+    from llmc.tune.config import load_tune
+    from llmc.tune.search import run_tune
+
+    config = load_tune(tune_file, list(overrides), output)
+    artifact = run_tune(config, overwrite, resume, discard_partial)
+    console.print(f"[green]wrote[/] {artifact} (the tune's report: {artifact / 'tune' / 'report.md'})")
+
+
 @cli.command(name="eval")
 @click.argument("targets", nargs=-1, required=True)
 @click.option("--perplexity", "perplexity_data", metavar="FILE|NAME", help="Text file, or `wikitext2` (hub).")

@@ -46,18 +46,18 @@ def evaluate_side_by_side(targets: list[EvalTarget], config: EvalConfig, inputs:
     report = {"baseline": targets[0].label, "settings": config.model_dump(mode="json", exclude={"gate"}), "targets": {}}
     base = None
     for target in targets:
-        measured = _measure(target, config, inputs, device)
+        measured = measure(target, config, inputs, device)
         if base is None:
             base = measured
         else:
-            measured.report["vs_baseline"] = _compare(base, measured, inputs.items, target.label)
+            measured.report["vs_baseline"] = compare(base, measured, inputs.items, target.label)
         report["targets"][target.label] = measured.report
     if config.gate is not None:
         report["gate"] = check_gate(report, config.gate).to_dict()
     return report
 
 
-def _measure(target: EvalTarget, config: EvalConfig, inputs: EvalInputs, device: torch.device) -> Measured:
+def measure(target: EvalTarget, config: EvalConfig, inputs: EvalInputs, device: torch.device) -> Measured:
     loaded = load_model(target.spec, device=device)
     report: dict = {"target": target.spec}
     if config.perplexity:
@@ -75,7 +75,7 @@ def _measure(target: EvalTarget, config: EvalConfig, inputs: EvalInputs, device:
     return Measured(loaded, report, business)
 
 
-def _compare(base: Measured, other: Measured, items: list[BusinessItem] | None, label: str) -> dict:
+def compare(base: Measured, other: Measured, items: list[BusinessItem] | None, label: str) -> dict:
     comparison = {}
     if "perplexity" in other.report:
         comparison["perplexity_increase"] = other.report["perplexity"]["perplexity"] / base.report["perplexity"]["perplexity"] - 1

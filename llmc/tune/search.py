@@ -1,0 +1,339 @@
+"""`llmc tune`: sensitivities measured once, the frontier of mixes solved from them, then real quantize-and-evaluate
+runs: every uniform recipe, the best mix at the cost of each `match_cost_of` candidate, and a bisection along the
+frontier for the cheapest mix that passes the gate. Everything lives in a work folder beside the output
+(`OUTPUT.tune-work`): a killed tune resumes from its last finished evaluation. The winner's artifact, its recipe
+and the tune's report are then moved into OUTPUT in one rename."""
+import json
+import shutil
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+from transformers import AutoConfig, AutoTokenizer
+
+import llmc
+from llmc.artifact.resume import REPORT_DIR
+from llmc.artifact.writer import RECIPE
+from llmc.calib.data import CalibrationSet, load_calibration
+from llmc.calib.driver import SourceModel, build_skeleton
+from llmc.checkpoints.checkpoint_reader import CheckpointReader
+from llmc.checkpoints.families import family_for
+from llmc.checkpoints.spec import resolve_model
+from llmc.core.device import describe_device, resolve_device
+from llmc.core.errors import LlmcError
+from llmc.core.staging import check_output, move_into_place, unique_sibling
+from llmc.evals.gate import GateFailed, check_gate
+from llmc.evals.inputs import EvalInputs, load_eval_inputs
+from llmc.evals.report import write_report
+from llmc.evals.suite import EvalTarget, Measured, compare, measure
+from llmc.pipeline.quantize import export_dtype, run_quantize
+from llmc.pipeline.recipe import Recipe
+from llmc.tune.chart import write_tune_report
+from llmc.tune.config import TuneConfig, candidate_formats
+from llmc.tune.hardware import decode_tokens_per_second, gpu_refusal
+from llmc.tune.sensitivity import Objective, Unit, measure_units
+from llmc.tune.solve import Mix, frontier, least_error_within, mix_of
+
+STATE = "tune.json"
+TUNE_DIR = "tune"  # in the output: the tune's report, chart, every point's recipe and report
+GATE_METRICS = ("perplexity_increase", "recovery", "agreement", "kl")
+
+
+@dataclass
+class Point:
+    """One quantize-and-evaluate run."""
+
+    name: str
+    kind: str  # uniform, frontier, matched
+    choice: list[str]  # per unit, its candidate label
+    cost: float
+    predicted: float
+    metrics: dict  # the comparison with the baseline: perplexity_increase, recovery, agreement, kl
+    passed: bool
+    failures: list[str]
+    seconds: float  # quantize and evaluate
+    counts: dict = field(default_factory=dict)  # candidate label -> units
+    tokens_per_second: float | None = None  # batch-1 decode here, measured for the winner and the best uniform
+
+
+@dataclass
+class TuneState:
+    """What the work folder's tune.json holds, saved after each step."""
+
+    fingerprint: dict
+    units: list[Unit] | None = None
+    points: dict[str, Point] = field(default_factory=dict)
+    kept: str | None = None  # the point whose artifact is kept: the cheapest that passed so far
+    sensitivity_s: float = 0.0
+
+    def save(self, work: Path) -> None:
+        data = {"fingerprint": self.fingerprint, "units": None if self.units is None else [unit.to_dict() for unit in self.units],
+                "points": {name: asdict(point) for name, point in self.points.items()}, "kept": self.kept,
+                "sensitivity_s": self.sensitivity_s}
+        partial = work / f"{STATE}.partial"
+        partial.write_text(json.dumps(data, indent=1) + "\n")
+        partial.replace(work / STATE)
+
+    @classmethod
+    def load(cls, work: Path) -> "TuneState":
+        data = json.loads((work / STATE).read_text())
+        units = None if data["units"] is None else [Unit(**unit) for unit in data["units"]]
+        points = {name: Point(**point) for name, point in data["points"].items()}
+        return cls(data["fingerprint"], units, points, data["kept"], data["sensitivity_s"])
+
+
+def work_folder(output: Path) -> Path:
+    return output.with_name(f"{output.name}.tune-work")
+
+
+def open_state(work: Path, fingerprint: dict, resume: bool, discard_partial: bool) -> TuneState:
+    if work.exists() and discard_partial:
+        shutil.rmtree(work)
+    if work.exists():
+        if not resume:
+            raise LlmcError(f"{work} holds a stopped tune: rerun with --resume to continue it, or --discard-partial to start again")
+        if not (work / STATE).is_file():
+            raise LlmcError(f"{work} is not a tune's work folder (no {STATE}); remove it")
+        state = TuneState.load(work)
+        if state.fingerprint != fingerprint:
+            raise LlmcError(f"{work} holds a tune of another configuration; --discard-partial starts this one afresh")
+        return state
+    work.mkdir(parents=True)
+    state = TuneState(fingerprint)
+    state.save(work)
+    return state
+
+
+def objective_of(config: TuneConfig, dtype: torch.dtype) -> Objective:
+    if isinstance(config.objective, str):
+        return Objective(config.objective, None, dtype)
+    return Objective("gpu", config.objective.target, dtype)
+
+
+def allowed_labels(config: TuneConfig, objective: Objective) -> set[str]:
+    allowed = set()
+    for candidate in config.candidates:
+        refusal = objective.gpu and not candidate.keep and gpu_refusal(candidate.scheme, objective.gpu)
+        if refusal:
+            print(f"candidate {candidate.label} left out: {refusal}", file=sys.stderr)
+        else:
+            allowed.add(candidate.label)
+    return allowed
+
+
+class Evaluator:
+    """Runs points (quantize, then evaluate against the baseline, measured once), at most max_evaluations of them."""
+
+    def __init__(self, config: TuneConfig, units: list[Unit], state: TuneState, work: Path, inputs: EvalInputs,
+                 device: torch.device):
+        self.config, self.units, self.state, self.work, self.inputs, self.device = config, units, state, work, inputs, device
+        self.base: Measured | None = None
+
+    @property
+    def left(self) -> int:
+        return self.config.max_evaluations - len(self.state.points)
+
+    def recipe_data(self, output: Path, mix: Mix) -> dict:
+        by_label: dict[str, list[str]] = {}
+        for unit, label in zip(self.units, mix.choice):
+            by_label.setdefault(label, []).extend(unit.names)
+        stages = [self.config.weight_stage(candidate, sorted(by_label[candidate.label]))
+                  for candidate in self.config.candidates if not candidate.keep and candidate.label in by_label]
+        return self.config.recipe_data(str(output), stages)
+
+    def point(self, name: str, kind: str, mix: Mix) -> Point | None:
+        """The point's result: recorded before, run now, or None when the evaluations are spent."""
+        if name in self.state.points:
+            return self.state.points[name]
+        if self.left <= 0:
+            return None
+        started = time.perf_counter()
+        print(f"\n[tune] {name}: {_counts_text(mix.counts())}, cost {mix.cost:.4g}, predicted error {mix.predicted:.4g} "
+              f"({len(self.state.points) + 1} of at most {self.config.max_evaluations} evaluations)", file=sys.stderr)
+        artifact = self.work / "artifacts" / _folder_name(name)
+        data = self.recipe_data(artifact, mix)
+        recipe = Recipe.model_validate({**data, "eval": {"baseline": False}})  # evaluated below, against one baseline
+        run_quantize(recipe, overwrite=True, discard_partial=True)
+        report = self.evaluate(name, artifact)
+        folder = self.work / "points" / _folder_name(name)
+        write_report(report, folder)
+        (folder / RECIPE).write_text(Recipe.model_validate(data).to_yaml())
+        gate = report["gate"]
+        metrics = {key: value for key, value in report["targets"][name]["vs_baseline"].items() if key in GATE_METRICS}
+        if "perplexity" in report["targets"][name]:
+            metrics["perplexity"] = report["targets"][name]["perplexity"]["perplexity"]
+        point = Point(name, kind, list(mix.choice), mix.cost, mix.predicted, metrics, gate["passed"], gate["failures"],
+                      time.perf_counter() - started, mix.counts())
+        self.keep_cheapest_passing(point, artifact, report)
+        self.state.points[name] = point
+        self.state.save(self.work)
+        print(f"[tune] {name}: {'passes' if point.passed else 'fails'} the gate ({_metrics_text(metrics)})", file=sys.stderr)
+        return point
+
+    def evaluate(self, name: str, artifact: Path) -> dict:
+        settings = self.config.eval
+        if self.base is None:
+            self.base = measure(EvalTarget("baseline", self.config.model), settings, self.inputs, self.device)
+        measured = measure(EvalTarget(name, str(artifact)), settings, self.inputs, self.device)
+        measured.report["vs_baseline"] = compare(self.base, measured, self.inputs.items, name)
+        report = {"baseline": "baseline", "settings": settings.model_dump(mode="json", exclude={"gate"}),
+                  "targets": {"baseline": self.base.report, name: measured.report}}
+        report["gate"] = check_gate(report, settings.gate).to_dict()
+        return report
+
+    def keep_cheapest_passing(self, point: Point, artifact: Path, report: dict) -> None:
+        kept = self.state.points.get(self.state.kept) if self.state.kept else None
+        if point.passed and (kept is None or point.cost < kept.cost):
+            write_report(report, artifact / REPORT_DIR)
+            if kept is not None:
+                shutil.rmtree(self.work / "artifacts" / _folder_name(kept.name), ignore_errors=True)
+            self.state.kept = point.name
+        else:
+            shutil.rmtree(artifact, ignore_errors=True)
+
+
+def _folder_name(name: str) -> str:
+    return "".join(char if char.isalnum() or char in "-_." else "-" for char in name)
+
+
+def _counts_text(counts: dict[str, int]) -> str:
+    return ", ".join(f"{count} {label}" for label, count in counts.items())
+
+
+def _metrics_text(metrics: dict) -> str:
+    return ", ".join(f"{key} {value:.4g}" for key, value in metrics.items() if value is not None)
+
+
+def bisect_frontier(evaluator: Evaluator, mixes: list[Mix]) -> None:
+    """The cheapest passing frontier mix, taking the gate as monotone along the frontier (a mix passes when a cheaper
+    one does): each probe halves the log range of predicted error between the dearest mix known to fail and the
+    cheapest known to pass (an all-keep mix passes unevaluated: it is the base model)."""
+    low, high = -1, len(mixes) - 1
+    for index in range(len(mixes)):  # what earlier runs (resumed) found
+        found = evaluator.state.points.get(f"frontier {index}")
+        if found is not None:
+            low, high = (low, min(high, index)) if found.passed else (max(low, index), high)
+    if mixes[high].predicted > 0 and evaluator.point(f"frontier {high}", "frontier", mixes[high]) is None:
+        return
+    if f"frontier {high}" in evaluator.state.points and not evaluator.state.points[f"frontier {high}"].passed:
+        print("[tune] the most accurate mix fails the gate: add more accurate candidates (keep, W8A16)", file=sys.stderr)
+        return
+    while high - low > 1:
+        probe = _probe(mixes, low, high)
+        point = evaluator.point(f"frontier {probe}", "frontier", mixes[probe])
+        if point is None:
+            return
+        low, high = (low, probe) if point.passed else (probe, high)
+
+
+def _probe(mixes: list[Mix], low: int, high: int) -> int:
+    """Between low and high, the mix whose predicted error is nearest their geometric mean (the index midpoint
+    where one of them is unbounded or exact)."""
+    if low < 0 or mixes[high].predicted <= 0:
+        return (low + high) // 2 if low >= 0 else max(0, (high - 1) // 2)
+    target = (mixes[low].predicted * mixes[high].predicted) ** 0.5
+    inside = range(low + 1, high)
+    return min(inside, key=lambda index: abs(mixes[index].predicted - target))
+
+
+def run_tune(config: TuneConfig, overwrite: bool = False, resume: bool = False, discard_partial: bool = False) -> Path:
+    started = time.perf_counter()
+    output = Path(config.output)
+    check_output(output, overwrite)
+    work = work_folder(output)
+    device = resolve_device(config.device)
+    print(f"device: {describe_device(device)}", file=sys.stderr)
+    inputs = load_eval_inputs(config.eval)
+    folder = resolve_model(config.model)
+    hf_config = AutoConfig.from_pretrained(folder)
+    family = family_for(hf_config)
+    dtype = export_dtype(_plain_recipe(config), hf_config)
+    objective = objective_of(config, dtype)
+    allowed = allowed_labels(config, objective)
+    formats = {label: chosen for label, chosen in candidate_formats(config).items() if label in allowed}
+    fingerprint = {"config": config.model_dump(mode="json", exclude={"output", "max_evaluations"}), "llmc": llmc.__version__}
+    state = open_state(work, fingerprint, resume, discard_partial)
+    if state.units is None:
+        measuring = time.perf_counter()
+        tokenizer = AutoTokenizer.from_pretrained(folder)
+        calibration = load_calibration(config.calibration, tokenizer)
+        sample = CalibrationSet(calibration.input_ids[: config.sensitivity_samples], calibration.source, calibration.compute_dtype)
+        model = SourceModel(CheckpointReader(folder), build_skeleton(hf_config), hf_config, family)
+        state.units = measure_units(model, sample, formats, objective, device, dtype)
+        state.sensitivity_s = time.perf_counter() - measuring
+        state.save(work)
+    units = state.units
+    mixes = frontier(units, allowed)
+    print(f"[tune] {len(units)} units, {len(formats)} formats: {len(mixes)} mixes on the frontier", file=sys.stderr)
+    evaluator = Evaluator(config, units, state, work, inputs, device)
+    uniform = {label: mix_of(units, [label] * len(units)) for label in allowed
+               if label in formats and formats[label] is not None and all(label in unit.error for unit in units)}
+    if config.uniform:
+        for label, mix in sorted(uniform.items(), key=lambda item: item[1].cost):
+            evaluator.point(f"uniform {label}", "uniform", mix)
+    for label in config.match_cost_of:
+        if label not in uniform:
+            print(f"[tune] match_cost_of {label}: it does not fit every Linear, so it has no uniform cost", file=sys.stderr)
+            continue
+        index = least_error_within(mixes, uniform[label].cost)
+        if index is not None:
+            evaluator.point(f"at the cost of {label}", "matched", mixes[index])
+    bisect_frontier(evaluator, mixes)
+    if state.kept is None:
+        write_tune_report(config, state, work / TUNE_DIR, time.perf_counter() - started, objective.unit)
+        raise GateFailed(f"no evaluated mix passes the gate; every point's report: {work / TUNE_DIR / 'report.md'}")
+    if objective.gpu is None:  # the GPU's speed is modelled; this machine's is measured
+        measure_decode(evaluator)
+    return publish(config, state, work, output, overwrite, time.perf_counter() - started, objective.unit)
+
+
+def _plain_recipe(config: TuneConfig) -> Recipe:
+    """A recipe of the tune's model with any one stage: what export_dtype reads."""
+    candidate = next(candidate for candidate in config.candidates if not candidate.keep)
+    return Recipe.model_validate(config.recipe_data("check", [config.weight_stage(candidate, ["Linear"])]))
+
+
+def measure_decode(evaluator: Evaluator) -> None:
+    """Batch-1 decode tok/s of the winner and of the fastest uniform recipe that passed (quantized again: only the
+    winner's artifact is kept)."""
+    state, work = evaluator.state, evaluator.work
+    winner = state.points[state.kept]
+    if winner.tokens_per_second is None:
+        winner.tokens_per_second = decode_tokens_per_second(work / "artifacts" / _folder_name(winner.name))
+        state.save(work)
+    passing = [point for point in state.points.values() if point.kind == "uniform" and point.passed]
+    best = min(passing, key=lambda point: point.cost, default=None)
+    if best is None or best.tokens_per_second is not None:
+        return
+    artifact = work / "artifacts" / _folder_name(best.name)
+    if best.name != winner.name:
+        mix = mix_of(evaluator.units, best.choice)
+        run_quantize(Recipe.model_validate({**evaluator.recipe_data(artifact, mix), "eval": {"baseline": False}}),
+                     overwrite=True, discard_partial=True)
+    best.tokens_per_second = decode_tokens_per_second(artifact)
+    if best.name != winner.name:
+        shutil.rmtree(artifact, ignore_errors=True)
+    state.save(work)
+
+
+def publish(config: TuneConfig, state: TuneState, work: Path, output: Path, overwrite: bool, seconds: float, unit: str) -> Path:
+    winner = state.points[state.kept]
+    artifact = work / "artifacts" / _folder_name(winner.name)
+    recipe = Recipe.model_validate({**yaml_of(work / "points" / _folder_name(winner.name) / RECIPE), "output": str(output)})
+    (artifact / RECIPE).write_text(recipe.to_yaml())
+    write_tune_report(config, state, artifact / TUNE_DIR, seconds, unit)
+    shutil.copytree(work / "points", artifact / TUNE_DIR / "points")
+    staging = unique_sibling(output, "tune")
+    artifact.rename(staging)
+    move_into_place(staging, output, overwrite)
+    shutil.rmtree(work, ignore_errors=True)
+    print(f"[tune] {winner.name} wins: {_counts_text(winner.counts)}; {output}", file=sys.stderr)
+    return output
+
+
+def yaml_of(path: Path) -> dict:
+    import yaml
+
+    return yaml.safe_load(path.read_text())
