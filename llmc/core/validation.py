@@ -19,14 +19,14 @@ def validated(model: type[BaseModel], data: dict, source: str, prefix: str = "")
 
 
 def validated_document(model: type[BaseModel], data: dict, path: Path, root: yaml.Node | None, overridden: set[tuple],
-                       union_tags: tuple[str, ...] = ()) -> BaseModel:
+                       union_tags: tuple[str, ...] = (), kind: str = "recipe") -> BaseModel:
     """data (read from the YAML file at path, its node tree `root`, then overridden) as `model`, or one LlmcError
     naming the field and YAML line (or --set) of each problem. union_tags: the discriminators of the document's
     unions, which pydantic puts into an error's location and a reader does not need."""
     try:
         return model.model_validate(data)
     except ValidationError as error:
-        raise LlmcError(_describe(error, path, root, overridden, model, union_tags)) from None
+        raise LlmcError(_describe(error, path, root, overridden, model, union_tags, kind)) from None
 
 
 def _location(item: dict, union_tags: tuple[str, ...]) -> list:
@@ -40,8 +40,8 @@ def _message(item: dict) -> str:
 
 
 def _describe(error: ValidationError, path: Path, root: yaml.Node | None, overridden: set[tuple], model: type[BaseModel],
-              union_tags: tuple[str, ...]) -> str:
-    lines = [f"invalid recipe {path}:"]
+              union_tags: tuple[str, ...], kind: str) -> str:
+    lines = [f"invalid {kind} {path}:"]
     for item in error.errors():
         location = _location(item, union_tags)
         message = _message(item)

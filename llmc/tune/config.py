@@ -143,13 +143,17 @@ class TuneConfig(StrictModel):
         return {**self.algorithm, "scheme": candidate.scheme, "weights": weights, "targets": targets}
 
     def recipe_data(self, output: str, weight_stages: list[dict]) -> dict:
-        """A plain recipe: the transforms, then one quantizing stage per format; evals and gate as the tune's."""
-        return {
+        """A plain recipe: the transforms, then one quantizing stage per format; evals and gate as the tune's. The
+        calibration section only where a stage needs data (it would only measure each layer's error, at a cost)."""
+        data = {
             "model": self.model, "output": output, "device": self.device,
             "calibration": self.calibration.model_dump(mode="json"),
             "stages": [*self.transforms, *weight_stages],
             "eval": self.eval.model_dump(mode="json", exclude_none=True),
         }
+        if weight_stages and not Recipe.model_validate(data).needs_calibration:
+            del data["calibration"]
+        return data
 
     def candidate(self, label: str) -> Candidate:
         return next(candidate for candidate in self.candidates if candidate.label == label)
@@ -180,7 +184,7 @@ def load_tune(path: Path, overrides: list[str] = (), output: str | None = None) 
     if output is not None:
         data["output"] = output
         overridden.add(("output",))
-    config = validated_document(TuneConfig, data, path, root, overridden)
+    config = validated_document(TuneConfig, data, path, root, overridden, kind="tune file")
     config._source = (path, root, overridden)
     return config
 

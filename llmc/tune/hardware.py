@@ -75,7 +75,8 @@ def batch1_seconds(weights: list[QuantizedWeight | torch.Tensor], activations: Q
 
 
 def decode_tokens_per_second(artifact: Path, tokens: int = 128) -> float:
-    """The runtime's batch-1 greedy decode rate on this machine: one request's N + 1 tokens less its first."""
+    """The runtime's batch-1 greedy decode rate on this machine: one request's N + 1 tokens less its first, after a
+    warm-up run; the median of three."""
     from llmc.runtime.llm import LLM
     from llmc.runtime.sampling_params import SamplingParams
 
@@ -87,5 +88,5 @@ def decode_tokens_per_second(artifact: Path, tokens: int = 128) -> float:
         llm.generate([prompt], SamplingParams(temperature=0, max_tokens=count, ignore_eos=True))
         return time.perf_counter() - started
 
-    seconds(8)  # warm-up: kernels built, the prompt cached
-    return tokens / (seconds(tokens + 1) - seconds(1))
+    seconds(tokens + 1)  # warm-up: kernels built for every length the run reaches, the prompt cached
+    return statistics.median(tokens / (seconds(tokens + 1) - seconds(1)) for _ in range(3))
