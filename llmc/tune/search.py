@@ -281,6 +281,9 @@ def run_tune(config: TuneConfig, overwrite: bool = False, resume: bool = False, 
         if index is not None:
             evaluator.point(f"at the cost of {label}", "matched", mixes[index])
     bisect_frontier(evaluator, mixes)
+    spent = sum(point.seconds for point in state.points.values())
+    print(f"[tune] spent {len(state.points)} of at most {config.max_evaluations} evaluations ({spent / 60:.1f} min) and "
+          f"{state.sensitivity_s / 60:.1f} min measuring sensitivities", file=sys.stderr)
     if state.kept is None:
         write_tune_report(config, state, work / TUNE_DIR, time.perf_counter() - started, objective.unit)
         raise GateFailed(f"no evaluated mix passes the gate; every point's report: {work / TUNE_DIR / 'report.md'}")

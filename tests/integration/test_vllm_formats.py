@@ -46,7 +46,11 @@ REFUSALS = {
     "NVFP4-KV": "Currently supported kv cache quantization is num_bits=8, type=float, however received num_bits=4, type=float",
 }
 WITH_NVFP4_KV = {"NVFP4-KV": "W8A8"}  # refusal name: the weights' scheme
-SERVED = ["W4A8"]  # on its int4 CPU kernel (CPUWNA16), in bfloat16 only (NO_INT4_KERNEL)
+# on its int4 CPU kernel (CPUWNA16), in bfloat16 only (NO_INT4_KERNEL); MIXED: a mix as `llmc tune` writes them, one
+# config group per format (W8A8 attention projections, W4A16 MLPs, o_proj unquantized)
+SERVED = ["W4A8", "MIXED"]
+MIXED_STAGES = ("  - type: rtn\n    scheme: W8A8\n    targets: ['re:.*self_attn\\.[qkv]_proj$']\n"
+                "  - type: rtn\n    scheme: W4A16\n    weights: {group_size: 32}\n    targets: ['re:.*mlp\\.']\n")
 
 
 class VllmRefuses(Exception):
@@ -61,7 +65,7 @@ def artifacts(tmp_path_factory, calib_file) -> dict[str, Path]:
     for scheme in [*REFUSALS, *SERVED]:
         weights = WITH_NVFP4_KV.get(scheme, scheme)
         group_size = "\n    weights: {group_size: 32}" if weights.startswith("W") and weights != "W8A8" else ""
-        stage = f"  - type: rtn\n    scheme: {weights}{group_size}\n"
+        stage = MIXED_STAGES if scheme == "MIXED" else f"  - type: rtn\n    scheme: {weights}{group_size}\n"
         recipe = write_recipe(folder / f"{scheme}.yaml", model, folder / scheme / "artifact", stage, calib_file)
         if scheme in WITH_NVFP4_KV:
             recipe.write_text(recipe.read_text() + "kv_cache: {dtype: nvfp4}\n")
@@ -95,7 +99,7 @@ def test_vllm_refuses_the_formats_it_has_no_cpu_kernel_for(scheme, artifacts, vl
 
 
 @pytest.mark.parametrize("scheme", [pytest.param(scheme, marks=NO_INT4_KERNEL) for scheme in SERVED])
-def test_vllm_serves_w4a8_as_llmc_does(scheme, artifacts, vllm_python, request):
+def test_vllm_serves_w4a8_and_a_tuned_mix_as_llmc_does(scheme, artifacts, vllm_python, request):
     require_vllm_int4_kernel(vllm_python)
     result = request.getfixturevalue("vllm_results")[scheme]
     if MISSING_KERNEL.search(result.get("error", "")):

@@ -96,8 +96,7 @@ def test_tune_finds_publishes_and_resumes(tmp_path, constructed, calib_file, mon
         return real_evaluate(self, name, artifact)
 
     monkeypatch.setattr(search.Evaluator, "evaluate", killed_after_one)
-    with pytest.raises(KeyboardInterrupt):
-        llmc_in_process("tune", str(path))
+    assert llmc_in_process("tune", str(path)).returncode == 130  # Ctrl-C in the second evaluation
     first = list(quantized)
     assert len(first) == 2 and not (tmp_path / "out").exists()
     monkeypatch.setattr(search.Evaluator, "evaluate", real_evaluate)
