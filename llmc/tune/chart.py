@@ -30,7 +30,9 @@ def markdown(points: list, thresholds: dict, winner: str | None, unit: str, seco
     metrics = [metric for metric in ("perplexity", "perplexity_increase", "recovery", "agreement", "kl")
                if any(metric in point.metrics for point in points)]
     speed = any(point.tokens_per_second for point in points)
-    header = ["point", "formats (units)", f"cost ({unit})", "predicted", *metrics, *(["batch-1 tok/s"] if speed else []), "gate"]
+    drafted = any(point.accepted_length for point in points)
+    header = ["point", "formats (units)", f"cost ({unit})", "predicted", *metrics, *(["batch-1 tok/s"] if speed else []),
+              *(["draft accepted length"] if drafted else []), "gate"]
     lines = [f"# llmc tune: {len(points)} evaluations, {seconds / 60:.1f} min (sensitivity {sensitivity_s / 60:.1f} min)", "",
              f"Gate: {', '.join(f'{key} {value}' for key, value in thresholds.items())}. Winner: **{winner or 'none'}**.", "",
              "| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
@@ -40,6 +42,8 @@ def markdown(points: list, thresholds: dict, winner: str | None, unit: str, seco
                  f"{point.predicted:.4g}", *(_cell(point.metrics.get(metric)) for metric in metrics)]
         if speed:
             cells.append(_cell(point.tokens_per_second, 1))
+        if drafted:
+            cells.append(_cell(point.accepted_length, 2))
         cells.append("pass" if point.passed else "fail")
         lines.append("| " + " | ".join(cells) + " |")
     if chart:

@@ -12,6 +12,7 @@ from llmc.core.errors import LlmcError
 from llmc.core.overrides import apply_overrides
 from llmc.core.schema import StrictModel
 from llmc.core.validation import validated_document
+from llmc.draft.config import DraftConfig
 from llmc.evals.config import EvalConfig
 from llmc.pipeline.recipe import Recipe
 from llmc.quant.qtypes import QuantArgs
@@ -85,6 +86,7 @@ class TuneConfig(StrictModel):
     uniform: bool = True  # evaluate every candidate alone too (the comparison and the chart need them)
     match_cost_of: list[str] = []  # candidate labels: also evaluate the best mix predicted at each one's cost
     sensitivity_samples: int = Field(8, gt=0)  # calibration samples the per-Linear sensitivity is measured on
+    draft: DraftConfig | None = None  # heads trained on the winner; gate.min_accepted_length is checked on them
     _source: tuple = PrivateAttr(default=())
 
     @field_validator("candidates", mode="before")
@@ -107,9 +109,8 @@ class TuneConfig(StrictModel):
             raise ValueError("eval.gate: a tune searches for the cheapest mix that passes a gate; give one")
         if not self.eval.baseline:
             raise ValueError("eval.baseline: the gate compares with the base model; leave it true")
-        if self.eval.gate.min_accepted_length is not None:
-            raise ValueError("eval.gate.min_accepted_length: a tune trains no draft; drop it, or train one on the winner "
-                             "with `llmc train-draft`")
+        if self.eval.gate.min_accepted_length is not None and self.draft is None:
+            raise ValueError("eval.gate.min_accepted_length: measures the draft, so it needs a draft section")
         labels = [candidate.label for candidate in self.candidates]
         repeated = sorted({label for label in labels if labels.count(label) > 1})
         if repeated:
@@ -143,13 +144,14 @@ class TuneConfig(StrictModel):
         return {**self.algorithm, "scheme": candidate.scheme, "weights": weights, "targets": targets}
 
     def recipe_data(self, output: str, weight_stages: list[dict]) -> dict:
-        """A plain recipe: the transforms, then one quantizing stage per format; evals and gate as the tune's. The
-        calibration section only where a stage needs data (it would only measure each layer's error, at a cost)."""
+        """A plain recipe: the transforms, then one quantizing stage per format; evals, gate and draft as the tune's.
+        The calibration section only where a stage needs data (it would only measure each layer's error, at a cost)."""
         data = {
             "model": self.model, "output": output, "device": self.device,
             "calibration": self.calibration.model_dump(mode="json"),
             "stages": [*self.transforms, *weight_stages],
             "eval": self.eval.model_dump(mode="json", exclude_none=True),
+            "draft": None if self.draft is None else self.draft.model_dump(mode="json"),
         }
         if weight_stages and not Recipe.model_validate(data).needs_calibration:
             del data["calibration"]

@@ -56,6 +56,7 @@ class Point:
     seconds: float  # quantize and evaluate
     counts: dict = field(default_factory=dict)  # candidate label -> units
     tokens_per_second: float | None = None  # batch-1 decode here, measured for the winner and the best uniform
+    accepted_length: float | None = None  # the winner's draft, when the tune trains one
 
 
 @dataclass
@@ -154,7 +155,7 @@ class Evaluator:
               f"({len(self.state.points) + 1} of at most {self.config.max_evaluations} evaluations)", file=sys.stderr)
         artifact = self.work / "artifacts" / _folder_name(name)
         data = self.recipe_data(artifact, mix)
-        recipe = Recipe.model_validate({**data, "eval": {"baseline": False}})  # evaluated below, against one baseline
+        recipe = Recipe.model_validate(point_recipe(data))
         run_quantize(recipe, overwrite=True, discard_partial=True)
         report = self.evaluate(name, artifact)
         folder = self.work / "points" / _folder_name(name)
@@ -192,6 +193,12 @@ class Evaluator:
             self.state.kept = point.name
         else:
             shutil.rmtree(artifact, ignore_errors=True)
+
+
+def point_recipe(data: dict) -> dict:
+    """A point's recipe as it is quantized: evaluated afterwards against one baseline, and with no draft (the winner's
+    alone is trained)."""
+    return {**data, "eval": {"baseline": False}, "draft": None}
 
 
 def _folder_name(name: str) -> str:
@@ -247,6 +254,10 @@ def run_tune(config: TuneConfig, overwrite: bool = False, resume: bool = False, 
     print(f"device: {describe_device(device)}", file=sys.stderr)
     inputs = load_eval_inputs(config.eval)
     folder = resolve_model(config.model)
+    if config.draft is not None:  # what the draft will need, checked before the work it follows
+        from llmc.draft.build import checked_draft_inputs
+
+        checked_draft_inputs(folder, config.draft, device)
     hf_config = AutoConfig.from_pretrained(folder)
     family = family_for(hf_config)
     dtype = export_dtype(_plain_recipe(config), hf_config)
@@ -287,9 +298,28 @@ def run_tune(config: TuneConfig, overwrite: bool = False, resume: bool = False, 
     if state.kept is None:
         write_tune_report(config, state, work / TUNE_DIR, time.perf_counter() - started, objective.unit)
         raise GateFailed(f"no evaluated mix passes the gate; every point's report: {work / TUNE_DIR / 'report.md'}")
+    if config.draft is not None:
+        train_winner_draft(config, state, work, device)
     if objective.gpu is None:  # the GPU's speed is modelled; this machine's is measured
         measure_decode(evaluator)
     return publish(config, state, work, output, overwrite, time.perf_counter() - started, objective.unit)
+
+
+def train_winner_draft(config: TuneConfig, state: TuneState, work: Path, device: torch.device) -> None:
+    """The draft heads trained on the winner, and the gate's min_accepted_length checked on them."""
+    from llmc.draft.build import train_draft
+    from llmc.evals.gate import check_accepted_length
+    from llmc.runtime.speculative.store import read_draft_config
+
+    winner = state.points[state.kept]
+    artifact = work / "artifacts" / _folder_name(winner.name)
+    if winner.accepted_length is None:
+        folder = train_draft(artifact, config.draft, device)
+        winner.accepted_length = (read_draft_config(folder)["heldout_acceptance"] or {}).get("mean_accepted_length", 1.0)
+        state.save(work)
+    check_accepted_length(winner.accepted_length, config.eval.gate,
+                          f"the draft of the winner ({winner.name}) on its held-out prompts, nothing written; the tune "
+                          f"is kept in {work}")
 
 
 def _plain_recipe(config: TuneConfig) -> Recipe:
@@ -313,8 +343,8 @@ def measure_decode(evaluator: Evaluator) -> None:
     artifact = work / "artifacts" / _folder_name(best.name)
     if best.name != winner.name:
         mix = mix_of(evaluator.units, best.choice)
-        run_quantize(Recipe.model_validate({**evaluator.recipe_data(artifact, mix), "eval": {"baseline": False}}),
-                     overwrite=True, discard_partial=True)
+        run_quantize(Recipe.model_validate(point_recipe(evaluator.recipe_data(artifact, mix))), overwrite=True,
+                     discard_partial=True)
     best.tokens_per_second = decode_tokens_per_second(artifact)
     if best.name != winner.name:
         shutil.rmtree(artifact, ignore_errors=True)

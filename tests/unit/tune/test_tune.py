@@ -155,3 +155,22 @@ def test_a_tune_needs_a_gate(tmp_path, tiny_llama, calib_file):
     path = tune_file(tmp_path, tiny_llama, calib_file, gate="null")
     run = llmc_in_process("tune", str(path))
     assert run.returncode == 2 and "eval.gate: a tune searches for the cheapest mix that passes a gate" in run.stderr
+
+
+@pytest.mark.slow
+def test_a_draft_is_trained_on_the_winner_and_gated(tmp_path, constructed, calib_file, monkeypatch):
+    monkeypatch.setenv("LLMC_HOME", str(tmp_path / "home"))  # the distillation cache
+    draft = (f"draft: {{method: medusa, prompts: [{calib_file}], num_prompts: 6, max_tokens: 24, num_heads: 2, steps: 30, "
+             "batch_size: 32}\nmax_evaluations: 2\n")
+    path = tune_file(tmp_path, constructed, calib_file, draft, gate="{max_kl: 0.05, min_accepted_length: 4.5}")
+    run = llmc_in_process("tune", str(path))  # a chain of 3 accepts at most 4: the winner's draft cannot pass
+    assert run.returncode == 3 and "the draft of the winner" in run.stderr and "min_accepted_length 4.5" in run.stderr
+    assert not (tmp_path / "out").exists() and (tmp_path / "out.tune-work").is_dir()
+    path.write_text(path.read_text().replace("min_accepted_length: 4.5", "min_accepted_length: 1.0"))
+    run = llmc_in_process("tune", str(path), "--discard-partial")
+    assert run.returncode == 0, run.stderr
+    assert (tmp_path / "out" / "draft" / "heads.safetensors").is_file()
+    summary = json.loads((tmp_path / "out" / "tune" / "tune.json").read_text())
+    winner = next(point for point in summary["points"] if point["name"] == summary["winner"])
+    assert 1.0 <= winner["accepted_length"] <= 3.0
+    assert "draft:" in (tmp_path / "out" / "recipe.yaml").read_text()
