@@ -7,7 +7,7 @@ import json
 import shutil
 import sys
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -134,7 +134,8 @@ class Evaluator:
 
     @property
     def left(self) -> int:
-        return self.config.max_evaluations - len(self.state.points)
+        """Evaluations left: points of the same assignment count once."""
+        return self.config.max_evaluations - len({tuple(point.choice) for point in self.state.points.values()})
 
     def recipe_data(self, output: Path, mix: Mix) -> dict:
         by_label: dict[str, list[str]] = {}
@@ -148,11 +149,18 @@ class Evaluator:
         """The point's result: recorded before, run now, or None when the evaluations are spent."""
         if name in self.state.points:
             return self.state.points[name]
+        same = next((point for point in self.state.points.values() if tuple(point.choice) == mix.choice), None)
+        if same is not None:  # the same assignment as a point run before (the cheapest mix may be a uniform one)
+            self.state.points[name] = replace(same, name=name, kind=kind, seconds=0.0, tokens_per_second=None,
+                                              accepted_length=None)
+            self.state.save(self.work)
+            return self.state.points[name]
         if self.left <= 0:
             return None
         started = time.perf_counter()
         print(f"\n[tune] {name}: {_counts_text(mix.counts())}, cost {mix.cost:.4g}, predicted error {mix.predicted:.4g} "
-              f"({len(self.state.points) + 1} of at most {self.config.max_evaluations} evaluations)", file=sys.stderr)
+              f"({self.config.max_evaluations - self.left + 1} of at most {self.config.max_evaluations} evaluations)",
+              file=sys.stderr)
         artifact = self.work / "artifacts" / _folder_name(name)
         data = self.recipe_data(artifact, mix)
         recipe = Recipe.model_validate(point_recipe(data))
@@ -214,19 +222,28 @@ def _metrics_text(metrics: dict) -> str:
 
 
 def bisect_frontier(evaluator: Evaluator, mixes: list[Mix]) -> None:
-    """The cheapest passing frontier mix, taking the gate as monotone along the frontier (a mix passes when a cheaper
-    one does): each probe halves the log range of predicted error between the dearest mix known to fail and the
-    cheapest known to pass (an all-keep mix passes unevaluated: it is the base model)."""
-    low, high = -1, len(mixes) - 1
-    for index in range(len(mixes)):  # what earlier runs (resumed) found
-        found = evaluator.state.points.get(f"frontier {index}")
-        if found is not None:
-            low, high = (low, min(high, index)) if found.passed else (max(low, index), high)
-    if mixes[high].predicted > 0 and evaluator.point(f"frontier {high}", "frontier", mixes[high]) is None:
-        return
-    if f"frontier {high}" in evaluator.state.points and not evaluator.state.points[f"frontier {high}"].passed:
-        print("[tune] the most accurate mix fails the gate: add more accurate candidates (keep, W8A16)", file=sys.stderr)
-        return
+    """The cheapest passing frontier mix, taking the gate as monotone in predicted error (a mix passes when one
+    predicted worse does). Points known already narrow the bracket: a mix predicted at least as bad as a failing one
+    is taken to fail; the first mix predicted no worse than the worst passing one is evaluated first. Each probe then
+    halves the log range of predicted error between the dearest mix known to fail and the cheapest known to pass (an
+    all-keep mix passes unevaluated: it is the base model)."""
+    known = list(evaluator.state.points.values())
+    failing = [point.predicted for point in known if not point.passed]
+    low = max((index for index, mix in enumerate(mixes) if failing and mix.predicted >= min(failing)), default=-1)
+    high = len(mixes) - 1
+    passing = [point.predicted for point in known if point.passed]
+    candidates = [index for index, mix in enumerate(mixes) if passing and low < index and mix.predicted <= max(passing)]
+    if candidates:
+        first = evaluator.point(f"frontier {candidates[0]}", "frontier", mixes[candidates[0]])
+        if first is None:
+            return
+        low, high = (low, candidates[0]) if first.passed else (candidates[0], high)
+    if mixes[high].predicted > 0:  # the dearest mix is not the base model: it must pass for the bracket to hold
+        top = evaluator.point(f"frontier {high}", "frontier", mixes[high])
+        if top is None or not top.passed:
+            if top is not None:
+                print("[tune] the most accurate mix fails the gate: add more accurate candidates (keep, W8A16)", file=sys.stderr)
+            return
     while high - low > 1:
         probe = _probe(mixes, low, high)
         point = evaluator.point(f"frontier {probe}", "frontier", mixes[probe])
@@ -246,7 +263,6 @@ def _probe(mixes: list[Mix], low: int, high: int) -> int:
 
 
 def run_tune(config: TuneConfig, overwrite: bool = False, resume: bool = False, discard_partial: bool = False) -> Path:
-    started = time.perf_counter()
     output = Path(config.output)
     check_output(output, overwrite)
     work = work_folder(output)
@@ -292,17 +308,20 @@ def run_tune(config: TuneConfig, overwrite: bool = False, resume: bool = False, 
         if index is not None:
             evaluator.point(f"at the cost of {label}", "matched", mixes[index])
     bisect_frontier(evaluator, mixes)
+    searched = time.perf_counter()
     spent = sum(point.seconds for point in state.points.values())
-    print(f"[tune] spent {len(state.points)} of at most {config.max_evaluations} evaluations ({spent / 60:.1f} min) and "
+    used = config.max_evaluations - evaluator.left
+    print(f"[tune] spent {used} of at most {config.max_evaluations} evaluations ({spent / 60:.1f} min) and "
           f"{state.sensitivity_s / 60:.1f} min measuring sensitivities", file=sys.stderr)
     if state.kept is None:
-        write_tune_report(config, state, work / TUNE_DIR, time.perf_counter() - started, objective.unit)
+        write_tune_report(config, state, work / TUNE_DIR, state.sensitivity_s + spent, objective.unit)
         raise GateFailed(f"no evaluated mix passes the gate; every point's report: {work / TUNE_DIR / 'report.md'}")
     if config.draft is not None:
         train_winner_draft(config, state, work, device)
     if objective.gpu is None:  # the GPU's speed is modelled; this machine's is measured
         measure_decode(evaluator)
-    return publish(config, state, work, output, overwrite, time.perf_counter() - started, objective.unit)
+    work_s = state.sensitivity_s + spent + (time.perf_counter() - searched)  # a resumed tune's earlier work counted
+    return publish(config, state, work, output, overwrite, work_s, objective.unit)
 
 
 def train_winner_draft(config: TuneConfig, state: TuneState, work: Path, device: torch.device) -> None:
