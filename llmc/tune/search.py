@@ -15,7 +15,7 @@ from transformers import AutoConfig, AutoTokenizer
 
 import llmc
 from llmc.artifact.resume import REPORT_DIR
-from llmc.artifact.writer import RECIPE
+from llmc.artifact.writer import MANIFEST, RECIPE, write_manifest
 from llmc.calib.data import CalibrationSet, load_calibration
 from llmc.calib.driver import SourceModel, build_skeleton
 from llmc.checkpoints.checkpoint_reader import CheckpointReader
@@ -26,7 +26,7 @@ from llmc.core.errors import LlmcError
 from llmc.core.staging import check_output, move_into_place, unique_sibling
 from llmc.evals.gate import GateFailed, check_gate
 from llmc.evals.inputs import EvalInputs, load_eval_inputs
-from llmc.evals.report import write_report
+from llmc.evals.report import summary, write_report
 from llmc.evals.suite import EvalTarget, Measured, compare, measure
 from llmc.pipeline.quantize import export_dtype, run_quantize
 from llmc.pipeline.recipe import Recipe
@@ -377,6 +377,10 @@ def publish(config: TuneConfig, state: TuneState, work: Path, output: Path, over
     (artifact / RECIPE).write_text(recipe.to_yaml())
     write_tune_report(config, state, artifact / TUNE_DIR, seconds, unit)
     shutil.copytree(work / "points", artifact / TUNE_DIR / "points")
+    manifest = json.loads((artifact / MANIFEST).read_text())
+    report = json.loads((work / "points" / _folder_name(winner.name) / "report.json").read_text())
+    manifest |= {"eval": summary(report), "tune": {"winner": winner.name, "report": f"{TUNE_DIR}/report.md"}}
+    write_manifest(artifact, {key: value for key, value in manifest.items() if key != "files"})  # files hashed again
     staging = unique_sibling(output, "tune")
     artifact.rename(staging)
     move_into_place(staging, output, overwrite)

@@ -1,6 +1,7 @@
 """`llmc tune` end to end on a constructed case: a tiny model with one Linear that 4-bit groups ruin (an outlier in
 every group) and one whose output hardly counts (weights a thousandth of the others'). The search must give the
 first 8 bits, the second 4, and publish an artifact whose recipe reproduces it."""
+import hashlib
 import json
 
 import pytest
@@ -120,6 +121,10 @@ def test_tune_finds_publishes_and_resumes(tmp_path, constructed, calib_file, mon
     groups = {group["weights"]["num_bits"]: group["targets"] for group in config["config_groups"].values()}
     assert SENSITIVE in groups[8] and INSENSITIVE in groups[4]
     assert not (tmp_path / "out.tune-work").exists()
+    manifest = json.loads((out / "llmc.json").read_text())  # every file as published, hashed
+    assert manifest["tune"]["winner"] == summary["winner"] and manifest["eval"]["gate"]["passed"]
+    assert {"recipe.yaml", "tune/report.md", "report/report.md"} <= set(manifest["files"])
+    assert manifest["files"]["recipe.yaml"] == hashlib.sha256((out / "recipe.yaml").read_bytes()).hexdigest()
 
     # the published recipe is a plain `llmc quantize` recipe that makes the same artifact
     rerun = llmc_in_process("quantize", str(out / "recipe.yaml"), "--output", str(tmp_path / "again"))
