@@ -11,7 +11,7 @@ GATED = {"max_kl": ("kl", "mean KL"), "min_recovery": ("recovery", "business rec
 def write_tune_report(config, state, folder: Path, seconds: float, unit: str) -> None:
     folder.mkdir(parents=True, exist_ok=True)
     points = sorted(state.points.values(), key=lambda point: point.cost)
-    winner = state.kept
+    winner = state.winner and state.winner.name
     thresholds = config.eval.gate.model_dump(exclude_none=True)
     summary = {
         "winner": winner, "cost_unit": unit, "objective": config.objective if isinstance(config.objective, str)

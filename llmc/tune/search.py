@@ -66,8 +66,25 @@ class TuneState:
     fingerprint: dict
     units: list[Unit] | None = None
     points: dict[str, Point] = field(default_factory=dict)
-    kept: str | None = None  # the point whose artifact is kept: the cheapest that passed so far
+    kept: str | None = None  # the point whose artifact is kept in the work folder (the cheapest passing when it ran)
     sensitivity_s: float = 0.0
+
+    @property
+    def winner(self) -> "Point | None":
+        """The cheapest point that passed the gate."""
+        return min((point for point in self.points.values() if point.passed), key=lambda point: point.cost, default=None)
+
+    def folder_of(self, work: Path, point: "Point") -> Path:
+        """The point's recipe and report: those of the run of its assignment (a point reported under a second name
+        was not run again)."""
+        ran = next(other for other in self.points.values() if other.choice == point.choice and other.seconds > 0)
+        return work / "points" / _folder_name(ran.name)
+
+    def rejudge(self, work: Path, gate) -> None:
+        """Every point judged again by `gate` from its saved report: a resumed tune may change its thresholds."""
+        for point in self.points.values():
+            judged = check_gate(json.loads((self.folder_of(work, point) / "report.json").read_text()), gate)
+            point.passed, point.failures = judged.passed, judged.failures
 
     def save(self, work: Path) -> None:
         data = {"fingerprint": self.fingerprint, "units": None if self.units is None else [unit.to_dict() for unit in self.units],
@@ -194,7 +211,8 @@ class Evaluator:
 
     def keep_cheapest_passing(self, point: Point, artifact: Path, report: dict) -> None:
         kept = self.state.points.get(self.state.kept) if self.state.kept else None
-        if point.passed and (kept is None or point.cost < kept.cost):
+        cheapest = self.state.winner
+        if point.passed and (cheapest is None or point.cost < cheapest.cost):
             write_report(report, artifact / REPORT_DIR)
             if kept is not None:
                 shutil.rmtree(self.work / "artifacts" / _folder_name(kept.name), ignore_errors=True)
@@ -280,8 +298,12 @@ def run_tune(config: TuneConfig, overwrite: bool = False, resume: bool = False, 
     objective = objective_of(config, dtype)
     allowed = allowed_labels(config, objective)
     formats = {label: chosen for label, chosen in candidate_formats(config).items() if label in allowed}
-    fingerprint = {"config": config.model_dump(mode="json", exclude={"output", "max_evaluations"}), "llmc": llmc.__version__}
+    # what the measurements depend on: a resumed tune may change where the winner goes, the evaluations allowed and the
+    # gate's thresholds (every point is judged again)
+    fingerprint = {"config": config.model_dump(mode="json", exclude={"output": True, "max_evaluations": True, "eval": {"gate"}}),
+                   "llmc": llmc.__version__}
     state = open_state(work, fingerprint, resume, discard_partial)
+    state.rejudge(work, config.eval.gate)
     if state.units is None:
         measuring = time.perf_counter()
         tokenizer = AutoTokenizer.from_pretrained(folder)
@@ -313,27 +335,46 @@ def run_tune(config: TuneConfig, overwrite: bool = False, resume: bool = False, 
     used = config.max_evaluations - evaluator.left
     print(f"[tune] spent {used} of at most {config.max_evaluations} evaluations ({spent / 60:.1f} min) and "
           f"{state.sensitivity_s / 60:.1f} min measuring sensitivities", file=sys.stderr)
-    if state.kept is None:
+    if state.winner is None:
         write_tune_report(config, state, work / TUNE_DIR, state.sensitivity_s + spent, objective.unit)
         raise GateFailed(f"no evaluated mix passes the gate; every point's report: {work / TUNE_DIR / 'report.md'}")
     if config.draft is not None:
-        train_winner_draft(config, state, work, device)
+        train_winner_draft(config, evaluator)
     if objective.gpu is None:  # the GPU's speed is modelled; this machine's is measured
         measure_decode(evaluator)
     work_s = state.sensitivity_s + spent + (time.perf_counter() - searched)  # a resumed tune's earlier work counted
-    return publish(config, state, work, output, overwrite, work_s, objective.unit)
+    return publish(config, evaluator, output, overwrite, work_s, objective.unit)
 
 
-def train_winner_draft(config: TuneConfig, state: TuneState, work: Path, device: torch.device) -> None:
+def winner_artifact(evaluator: Evaluator, winner: Point) -> Path:
+    """The winner's artifact in the work folder, quantized again if a later point's artifact was kept instead (a
+    resumed tune with other thresholds may choose a point whose artifact was removed)."""
+    state, work = evaluator.state, evaluator.work
+    kept = state.points.get(state.kept) if state.kept else None
+    if kept is not None and kept.choice == winner.choice:
+        return work / "artifacts" / _folder_name(kept.name)
+    artifact = work / "artifacts" / _folder_name(winner.name)
+    run_quantize(Recipe.model_validate(point_recipe(evaluator.recipe_data(artifact, mix_of(evaluator.units, winner.choice)))),
+                 overwrite=True, discard_partial=True)
+    write_report(json.loads((state.folder_of(work, winner) / "report.json").read_text()), artifact / REPORT_DIR)
+    if kept is not None:
+        shutil.rmtree(work / "artifacts" / _folder_name(kept.name), ignore_errors=True)
+    state.kept = winner.name
+    state.save(work)
+    return artifact
+
+
+def train_winner_draft(config: TuneConfig, evaluator: Evaluator) -> None:
     """The draft heads trained on the winner, and the gate's min_accepted_length checked on them."""
+    state, work = evaluator.state, evaluator.work
     from llmc.draft.build import train_draft
     from llmc.evals.gate import check_accepted_length
     from llmc.runtime.speculative.store import read_draft_config
 
-    winner = state.points[state.kept]
-    artifact = work / "artifacts" / _folder_name(winner.name)
+    winner = state.winner
+    artifact = winner_artifact(evaluator, winner)
     if winner.accepted_length is None:
-        folder = train_draft(artifact, config.draft, device)
+        folder = train_draft(artifact, config.draft, evaluator.device)
         winner.accepted_length = (read_draft_config(folder)["heldout_acceptance"] or {}).get("mean_accepted_length", 1.0)
         state.save(work)
     check_accepted_length(winner.accepted_length, config.eval.gate,
@@ -351,34 +392,36 @@ def measure_decode(evaluator: Evaluator) -> None:
     """Batch-1 decode tok/s of the winner and of the fastest uniform recipe that passed (quantized again: only the
     winner's artifact is kept)."""
     state, work = evaluator.state, evaluator.work
-    winner = state.points[state.kept]
+    winner = state.winner
     if winner.tokens_per_second is None:
-        winner.tokens_per_second = decode_tokens_per_second(work / "artifacts" / _folder_name(winner.name))
+        winner.tokens_per_second = decode_tokens_per_second(winner_artifact(evaluator, winner))
         state.save(work)
     passing = [point for point in state.points.values() if point.kind == "uniform" and point.passed]
     best = min(passing, key=lambda point: point.cost, default=None)
     if best is None or best.tokens_per_second is not None:
         return
-    artifact = work / "artifacts" / _folder_name(best.name)
-    if best.name != winner.name:
+    if best.choice == winner.choice:
+        best.tokens_per_second = winner.tokens_per_second
+    else:
+        artifact = work / "artifacts" / f"speed-{_folder_name(best.name)}"
         mix = mix_of(evaluator.units, best.choice)
         run_quantize(Recipe.model_validate(point_recipe(evaluator.recipe_data(artifact, mix))), overwrite=True,
                      discard_partial=True)
-    best.tokens_per_second = decode_tokens_per_second(artifact)
-    if best.name != winner.name:
+        best.tokens_per_second = decode_tokens_per_second(artifact)
         shutil.rmtree(artifact, ignore_errors=True)
     state.save(work)
 
 
-def publish(config: TuneConfig, state: TuneState, work: Path, output: Path, overwrite: bool, seconds: float, unit: str) -> Path:
-    winner = state.points[state.kept]
-    artifact = work / "artifacts" / _folder_name(winner.name)
-    recipe = Recipe.model_validate({**yaml_of(work / "points" / _folder_name(winner.name) / RECIPE), "output": str(output)})
+def publish(config: TuneConfig, evaluator: Evaluator, output: Path, overwrite: bool, seconds: float, unit: str) -> Path:
+    state, work = evaluator.state, evaluator.work
+    winner = state.winner
+    artifact = winner_artifact(evaluator, winner)
+    recipe = Recipe.model_validate({**yaml_of(state.folder_of(work, winner) / RECIPE), "output": str(output)})
     (artifact / RECIPE).write_text(recipe.to_yaml())
     write_tune_report(config, state, artifact / TUNE_DIR, seconds, unit)
     shutil.copytree(work / "points", artifact / TUNE_DIR / "points")
     manifest = json.loads((artifact / MANIFEST).read_text())
-    report = json.loads((work / "points" / _folder_name(winner.name) / "report.json").read_text())
+    report = json.loads((state.folder_of(work, winner) / "report.json").read_text())
     manifest |= {"eval": summary(report), "tune": {"winner": winner.name, "report": f"{TUNE_DIR}/report.md"}}
     write_manifest(artifact, {key: value for key, value in manifest.items() if key != "files"})  # files hashed again
     staging = unique_sibling(output, "tune")
