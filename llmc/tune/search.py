@@ -314,6 +314,8 @@ def run_tune(config: TuneConfig, overwrite: bool = False, resume: bool = False, 
         state.sensitivity_s = time.perf_counter() - measuring
         state.save(work)
     units = state.units
+    for point in state.points.values():  # cost and prediction from the sensitivities as they now stand
+        point.cost, point.predicted = mix_of(units, point.choice).cost, mix_of(units, point.choice).predicted
     mixes = frontier(units, allowed)
     print(f"[tune] {len(units)} units, {len(formats)} formats: {len(mixes)} mixes on the frontier", file=sys.stderr)
     evaluator = Evaluator(config, units, state, work, inputs, device)
