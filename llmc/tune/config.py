@@ -76,7 +76,7 @@ class TuneConfig(StrictModel):
     output: str
     device: str = "auto"
     calibration: CalibrationConfig = CalibrationConfig()
-    candidates: list[Candidate] = Field(DEFAULT_CANDIDATES, min_length=2)
+    candidates: list[Candidate] = Field(DEFAULT_CANDIDATES, min_length=2, validate_default=True)
     transforms: list[dict[str, Any]] = []  # stages before the quantizing one, as a recipe writes them (awq, smoothquant, rotate)
     algorithm: dict[str, Any] = {"type": "rtn"}  # the quantizing stage's fields but scheme and targets, e.g. {type: gptq}
     eval: EvalConfig

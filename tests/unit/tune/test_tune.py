@@ -179,3 +179,10 @@ def test_a_draft_is_trained_on_the_winner_and_gated(tmp_path, constructed, calib
     winner = next(point for point in summary["points"] if point["name"] == summary["winner"])
     assert 1.0 <= winner["accepted_length"] <= 3.0
     assert "draft:" in (tmp_path / "out" / "recipe.yaml").read_text()
+
+
+def test_the_default_candidates(tmp_path, tiny_llama, calib_file):
+    path = tune_file(tmp_path, tiny_llama, calib_file)
+    path.write_text("\n".join(line for line in path.read_text().splitlines() if not line.startswith("candidates:")) + "\n")
+    assert [candidate.label for candidate in load_tune(path).candidates] == [
+        "keep", "W8A16", "W8A8", "FP8_DYNAMIC", "W4A16-g128", "W4A16-g64", "NVFP4A16", "MXFP4A16"]
