@@ -249,3 +249,11 @@ def server_idle(server: SimpleNamespace) -> bool:
 def post_v1(server: SimpleNamespace, path: str, body: dict) -> httpx.Response:
     """POST a JSON body to an in_process_server's /v1/PATH with API_KEY."""
     return httpx.post(f"{server.base}/v1/{path}", json=body, headers={"Authorization": f"Bearer {API_KEY}"}, timeout=60)
+
+
+def load_shipped(path: Path):
+    """A shipped YAML file: `llmc tune`'s files (`*-tune.yaml`) as tune files, the others as recipes."""
+    from llmc.pipeline.recipe import load_recipe
+    from llmc.tune.config import load_tune
+
+    return (load_tune if path.name.endswith("-tune.yaml") else load_recipe)(path)

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import WIKITEXT, smollm2_available
+from helpers import WIKITEXT, load_shipped, smollm2_available
 from transformers import AutoModelForCausalLM
 
 from llmc.evals.loading import load_model
@@ -74,11 +74,10 @@ def test_shipped_recipes_calibration_fits_the_shipped_set():
 
     from llmc.calib.data import load_calibration
     from llmc.checkpoints.spec import resolve_model
-    from llmc.pipeline.recipe import load_recipe
 
     tokenizer = AutoTokenizer.from_pretrained(resolve_model("smollm2-135m"))
-    for path in sorted(RECIPE.parent.glob("smollm2-*.yaml")):
-        recipe = load_recipe(path)
+    for path in sorted(RECIPE.parent.glob("smollm2-*.yaml")):  # recipes and tune files
+        recipe = load_shipped(path)
         if recipe.calibration is not None:
             calibration = load_calibration(recipe.calibration, tokenizer)
             assert calibration.input_ids.shape == (recipe.calibration.num_samples, recipe.calibration.seq_len), path

@@ -1,6 +1,7 @@
 from pathlib import Path
 
 import pytest
+from helpers import load_shipped
 
 from llmc.core.errors import LlmcError
 from llmc.pipeline.recipe import load_recipe
@@ -97,7 +98,5 @@ def test_not_yaml_and_not_a_mapping(tmp_path):
 
 
 def test_every_shipped_recipe_loads():
-    from llmc.tune.config import load_tune
-
     for path in sorted(Path(__file__).resolve().parents[3].joinpath("recipes").glob("*.yaml")):
-        (load_tune if path.name.endswith("-tune.yaml") else load_recipe)(path)  # `llmc tune`'s files, or recipes
+        load_shipped(path)
