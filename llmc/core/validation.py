@@ -6,6 +6,7 @@ import yaml
 from pydantic import BaseModel, ValidationError
 
 from llmc.core.errors import LlmcError
+from llmc.core.overrides import apply_overrides
 
 
 def validated(model: type[BaseModel], data: dict, source: str, prefix: str = "") -> BaseModel:
@@ -16,6 +17,30 @@ def validated(model: type[BaseModel], data: dict, source: str, prefix: str = "")
     except ValidationError as error:
         problems = [f"  {prefix}{'.'.join(map(str, _location(item, ()))) or '(top level)'}: {_message(item)}" for item in error.errors()]
         raise LlmcError(f"invalid {source}:\n" + "\n".join(problems)) from None
+
+
+def loaded_document(model: type[BaseModel], path: Path, overrides: list[str], output: str | None, kind: str, sections: str,
+                    union_tags: tuple[str, ...] = ()) -> BaseModel:
+    """The YAML file at path (a `kind`, a mapping of `sections`) with its --set overrides and --output applied,
+    validated as model; the result keeps where each field came from in `_source` (path, node tree, overridden paths)."""
+    try:
+        text = path.read_text()
+    except OSError as error:
+        raise LlmcError(f"cannot read {kind} {path}: {error.strerror}") from None
+    try:
+        root = yaml.compose(text)
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as error:
+        raise LlmcError(f"{path}: not valid YAML: {error}") from None
+    if not isinstance(data, dict):
+        raise LlmcError(f"{path}: a {kind} is a YAML mapping of sections ({sections}, ...)")
+    overridden = apply_overrides(data, list(overrides))
+    if output is not None:
+        data["output"] = output
+        overridden.add(("output",))
+    document = validated_document(model, data, path, root, overridden, union_tags, kind)
+    document._source = (path, root, overridden)
+    return document
 
 
 def validated_document(model: type[BaseModel], data: dict, path: Path, root: yaml.Node | None, overridden: set[tuple],

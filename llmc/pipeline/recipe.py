@@ -10,9 +10,8 @@ from llmc.artifact.export_config import ExportConfig
 from llmc.calib.data import CalibrationConfig
 from llmc.core.device import DEVICE_PATTERN
 from llmc.core.errors import LlmcError
-from llmc.core.overrides import apply_overrides
 from llmc.core.schema import StrictModel
-from llmc.core.validation import located, validated_document
+from llmc.core.validation import loaded_document, located
 from llmc.draft.config import DraftConfig
 from llmc.evals.config import EvalConfig
 from llmc.quant import autoround, awq, gptq, rotate, rtn, smoothquant  # noqa: F401  (importing an algorithm's module registers its stage)
@@ -132,21 +131,4 @@ class Recipe(StrictModel):
 
 
 def load_recipe(path: Path, overrides: list[str] = (), output: str | None = None) -> Recipe:
-    try:
-        text = path.read_text()
-    except OSError as error:
-        raise LlmcError(f"cannot read recipe {path}: {error.strerror}") from None
-    try:
-        root = yaml.compose(text)
-        data = yaml.safe_load(text)
-    except yaml.YAMLError as error:
-        raise LlmcError(f"{path}: not valid YAML: {error}") from None
-    if not isinstance(data, dict):
-        raise LlmcError(f"{path}: a recipe is a YAML mapping of sections (model, output, stages, ...)")
-    overridden = apply_overrides(data, list(overrides))
-    if output is not None:
-        data["output"] = output
-        overridden.add(("output",))
-    recipe = validated_document(Recipe, data, path, root, overridden, union_tags=STAGE_TYPES)
-    recipe._source = (path, root, overridden)
-    return recipe
+    return loaded_document(Recipe, path, overrides, output, "recipe", "model, output, stages", union_tags=STAGE_TYPES)

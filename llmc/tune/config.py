@@ -8,10 +8,8 @@ from pydantic import Field, PrivateAttr, ValidationError, field_validator, model
 
 from llmc.calib.data import CalibrationConfig
 from llmc.core.device import DEVICE_PATTERN
-from llmc.core.errors import LlmcError
-from llmc.core.overrides import apply_overrides
 from llmc.core.schema import StrictModel
-from llmc.core.validation import validated_document
+from llmc.core.validation import loaded_document
 from llmc.draft.config import DraftConfig
 from llmc.evals.config import EvalConfig
 from llmc.pipeline.recipe import Recipe
@@ -171,24 +169,7 @@ def stage_inputs(stage: dict) -> dict | None:
 
 
 def load_tune(path: Path, overrides: list[str] = (), output: str | None = None) -> TuneConfig:
-    try:
-        text = path.read_text()
-    except OSError as error:
-        raise LlmcError(f"cannot read tune file {path}: {error.strerror}") from None
-    try:
-        root = yaml.compose(text)
-        data = yaml.safe_load(text)
-    except yaml.YAMLError as error:
-        raise LlmcError(f"{path}: not valid YAML: {error}") from None
-    if not isinstance(data, dict):
-        raise LlmcError(f"{path}: a tune file is a YAML mapping (model, output, candidates, eval, objective, ...)")
-    overridden = apply_overrides(data, list(overrides))
-    if output is not None:
-        data["output"] = output
-        overridden.add(("output",))
-    config = validated_document(TuneConfig, data, path, root, overridden, kind="tune file")
-    config._source = (path, root, overridden)
-    return config
+    return loaded_document(TuneConfig, path, overrides, output, "tune file", "model, output, candidates, eval, objective")
 
 
 def candidate_formats(config: TuneConfig) -> dict[str, tuple[QuantArgs, QuantArgs | None] | None]:
