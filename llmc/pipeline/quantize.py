@@ -14,6 +14,7 @@ from transformers import AutoConfig, AutoTokenizer
 
 import llmc
 from llmc.artifact.export import exporter_for
+from llmc.artifact.export_config import ExportConfig
 from llmc.artifact.reader import layout_of
 from llmc.artifact.resume import REPORT_DIR, Journal, journaled, resumable_staging, resumed_journal, resumption, run_fingerprint
 from llmc.artifact.writer import COMPLETE, DRAFT, EVALS, RECIPE, WRITTEN, ShardWriter, staged_folder, write_manifest
@@ -57,9 +58,9 @@ class RunFacts:
     prepare_s: float
 
 
-def export_dtype(recipe: Recipe, config) -> torch.dtype:
-    if recipe.export.dtype != "auto":
-        return DTYPES[recipe.export.dtype]
+def export_dtype(export: ExportConfig, config) -> torch.dtype:
+    if export.dtype != "auto":
+        return DTYPES[export.dtype]
     source = getattr(config, "dtype", None) or torch.float32
     return getattr(torch, source) if isinstance(source, str) else source
 
@@ -86,7 +87,7 @@ def run_quantize(recipe: Recipe, overwrite: bool = False, eval_inputs: EvalInput
         from llmc.draft.build import checked_draft_inputs
 
         resolved(recipe, ("draft",), lambda: checked_draft_inputs(folder, recipe.draft, device))
-    dtype = export_dtype(recipe, config)
+    dtype = export_dtype(recipe.export, config)
     kv_cache = recipe.kv_cache.args if recipe.kv_cache else None
     exporter = exporter_for(recipe.export, kv_cache, recipe.gptq_dampening_frac)
     stages = [start_stage(stage, exporter.scale_dtype or dtype, family) for stage in recipe.stages]

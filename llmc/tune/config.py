@@ -14,7 +14,7 @@ from llmc.draft.config import DraftConfig
 from llmc.evals.config import EvalConfig
 from llmc.pipeline.recipe import Recipe
 from llmc.quant.qtypes import QuantArgs
-from llmc.quant.schemes import PRESET_SCHEMES
+from llmc.quant.schemes import PRESET_SCHEMES, resolve_activation_args
 from llmc.tune.hardware import GPUS, Gpu
 
 KEEP = "keep"  # the candidate that leaves a Linear unquantized, in the export dtype
@@ -131,7 +131,7 @@ class TuneConfig(StrictModel):
             problems = "; ".join(f"{'.'.join(map(str, item['loc'][-2:]))}: {item['msg'].removeprefix('Value error, ')}"
                                  for item in error.errors())
             raise ValueError(f"candidates.{index} ({candidate.label}) with algorithm {self.algorithm.get('type')}: {problems}") from None
-        activations = stage_inputs(stage)
+        activations = resolve_activation_args(stage["scheme"], stage.get("input_activations"))
         if activations is not None and activations.get("dynamic") is not True:
             raise ValueError(f"candidates.{index} ({candidate.label}): its inputs take a calibrated (global) scale, which "
                              "a Linear's sensitivity alone is not measured with; use a dynamic scheme (FP8_DYNAMIC, W8A8)")
@@ -155,17 +155,8 @@ class TuneConfig(StrictModel):
             del data["calibration"]
         return data
 
-    def candidate(self, label: str) -> Candidate:
-        return next(candidate for candidate in self.candidates if candidate.label == label)
-
     def to_yaml(self) -> str:
         return yaml.safe_dump(self.model_dump(mode="json"), sort_keys=False)
-
-
-def stage_inputs(stage: dict) -> dict | None:
-    from llmc.quant.schemes import resolve_activation_args
-
-    return resolve_activation_args(stage["scheme"], stage.get("input_activations"))
 
 
 def load_tune(path: Path, overrides: list[str] = (), output: str | None = None) -> TuneConfig:

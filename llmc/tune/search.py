@@ -14,6 +14,7 @@ import torch
 from transformers import AutoConfig, AutoTokenizer
 
 import llmc
+from llmc.artifact.export_config import ExportConfig
 from llmc.artifact.resume import REPORT_DIR
 from llmc.artifact.writer import MANIFEST, RECIPE, write_manifest
 from llmc.calib.data import CalibrationSet, load_calibration
@@ -162,6 +163,12 @@ class Evaluator:
                   for candidate in self.config.candidates if not candidate.keep and candidate.label in by_label]
         return self.config.recipe_data(str(output), stages)
 
+    def quantize(self, artifact: Path, mix: Mix) -> dict:
+        """The mix quantized into artifact (its evals left to `evaluate`, no draft); the recipe's data."""
+        data = self.recipe_data(artifact, mix)
+        run_quantize(Recipe.model_validate(point_recipe(data)), overwrite=True, discard_partial=True)
+        return data
+
     def point(self, name: str, kind: str, mix: Mix) -> Point | None:
         """The point's result: recorded before, run now, or None when the evaluations are spent."""
         if name in self.state.points:
@@ -179,9 +186,7 @@ class Evaluator:
               f"({self.config.max_evaluations - self.left + 1} of at most {self.config.max_evaluations} evaluations)",
               file=sys.stderr)
         artifact = self.work / "artifacts" / _folder_name(name)
-        data = self.recipe_data(artifact, mix)
-        recipe = Recipe.model_validate(point_recipe(data))
-        run_quantize(recipe, overwrite=True, discard_partial=True)
+        data = self.quantize(artifact, mix)
         report = self.evaluate(name, artifact)
         folder = self.work / "points" / _folder_name(name)
         write_report(report, folder)
@@ -294,7 +299,7 @@ def run_tune(config: TuneConfig, overwrite: bool = False, resume: bool = False, 
         checked_draft_inputs(folder, config.draft, device)
     hf_config = AutoConfig.from_pretrained(folder)
     family = family_for(hf_config)
-    dtype = export_dtype(_plain_recipe(config), hf_config)
+    dtype = export_dtype(ExportConfig(), hf_config)  # a tune's recipes leave the export section at its defaults
     objective = objective_of(config, dtype)
     allowed = allowed_labels(config, objective)
     formats = {label: chosen for label, chosen in candidate_formats(config).items() if label in allowed}
@@ -315,7 +320,8 @@ def run_tune(config: TuneConfig, overwrite: bool = False, resume: bool = False, 
         state.save(work)
     units = state.units
     for point in state.points.values():  # cost and prediction from the sensitivities as they now stand
-        point.cost, point.predicted = mix_of(units, point.choice).cost, mix_of(units, point.choice).predicted
+        mix = mix_of(units, point.choice)
+        point.cost, point.predicted = mix.cost, mix.predicted
     mixes = frontier(units, allowed)
     print(f"[tune] {len(units)} units, {len(formats)} formats: {len(mixes)} mixes on the frontier", file=sys.stderr)
     evaluator = Evaluator(config, units, state, work, inputs, device)
@@ -356,8 +362,7 @@ def winner_artifact(evaluator: Evaluator, winner: Point) -> Path:
     if kept is not None and kept.choice == winner.choice:
         return work / "artifacts" / _folder_name(kept.name)
     artifact = work / "artifacts" / _folder_name(winner.name)
-    run_quantize(Recipe.model_validate(point_recipe(evaluator.recipe_data(artifact, mix_of(evaluator.units, winner.choice)))),
-                 overwrite=True, discard_partial=True)
+    evaluator.quantize(artifact, mix_of(evaluator.units, winner.choice))
     write_report(json.loads((state.folder_of(work, winner) / "report.json").read_text()), artifact / REPORT_DIR)
     if kept is not None:
         shutil.rmtree(work / "artifacts" / _folder_name(kept.name), ignore_errors=True)
@@ -384,12 +389,6 @@ def train_winner_draft(config: TuneConfig, evaluator: Evaluator) -> None:
                           f"is kept in {work}")
 
 
-def _plain_recipe(config: TuneConfig) -> Recipe:
-    """A recipe of the tune's model with any one stage: what export_dtype reads."""
-    candidate = next(candidate for candidate in config.candidates if not candidate.keep)
-    return Recipe.model_validate(config.recipe_data("check", [config.weight_stage(candidate, ["Linear"])]))
-
-
 def measure_decode(evaluator: Evaluator) -> None:
     """Batch-1 decode tok/s of the winner and of the fastest uniform recipe that passed (quantized again: only the
     winner's artifact is kept)."""
@@ -406,9 +405,7 @@ def measure_decode(evaluator: Evaluator) -> None:
         best.tokens_per_second = winner.tokens_per_second
     else:
         artifact = work / "artifacts" / f"speed-{_folder_name(best.name)}"
-        mix = mix_of(evaluator.units, best.choice)
-        run_quantize(Recipe.model_validate(point_recipe(evaluator.recipe_data(artifact, mix))), overwrite=True,
-                     discard_partial=True)
+        evaluator.quantize(artifact, mix_of(evaluator.units, best.choice))
         best.tokens_per_second = decode_tokens_per_second(artifact)
         shutil.rmtree(artifact, ignore_errors=True)
     state.save(work)
@@ -418,7 +415,7 @@ def publish(config: TuneConfig, evaluator: Evaluator, output: Path, overwrite: b
     state, work = evaluator.state, evaluator.work
     winner = state.winner
     artifact = winner_artifact(evaluator, winner)
-    recipe = Recipe.model_validate({**yaml_of(state.folder_of(work, winner) / RECIPE), "output": str(output)})
+    recipe = Recipe.model_validate(evaluator.recipe_data(output, mix_of(evaluator.units, winner.choice)))
     (artifact / RECIPE).write_text(recipe.to_yaml())
     write_tune_report(config, state, artifact / TUNE_DIR, seconds, unit)
     shutil.copytree(work / "points", artifact / TUNE_DIR / "points")
@@ -432,9 +429,3 @@ def publish(config: TuneConfig, evaluator: Evaluator, output: Path, overwrite: b
     shutil.rmtree(work, ignore_errors=True)
     print(f"[tune] {winner.name} wins: {_counts_text(winner.counts)}; {output}", file=sys.stderr)
     return output
-
-
-def yaml_of(path: Path) -> dict:
-    import yaml
-
-    return yaml.safe_load(path.read_text())

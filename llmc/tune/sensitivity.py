@@ -140,7 +140,7 @@ def measure_units(model: SourceModel, calibration: CalibrationSet, formats: Form
         reference = runner(layer, hidden)
         linears = {name: linear for name, linear in layer_linears(layer, prefix).items()
                    if name.removeprefix(f"{prefix}.") not in family.full_precision}
-        probes.append(probe_of(layer, prefix, linears, family, formats, runner, hidden[:GAIN_SAMPLES], reference[:GAIN_SAMPLES],
+        probes.append(probe_of(layer, linears, family, formats, runner, hidden[:GAIN_SAMPLES], reference[:GAIN_SAMPLES],
                                scale_dtype))
         for names in family.fused_groups(list(linears)):
             originals = [linears[name].weight.data for name in names]
@@ -173,7 +173,7 @@ def measure_units(model: SourceModel, calibration: CalibrationSet, formats: Form
     return units
 
 
-def probe_of(layer, prefix: str, linears: dict, family, formats: Formats, runner: LayerRunner, hidden: torch.Tensor,
+def probe_of(layer, linears: dict, family, formats: Formats, runner: LayerRunner, hidden: torch.Tensor,
              reference: torch.Tensor, scale_dtype: torch.dtype) -> torch.Tensor:
     """The layer's output moved along the error of every unit in its cheapest fitting format, scaled to PROBE_ERROR."""
     originals = {name: linear.weight.data for name, linear in linears.items()}
